@@ -1,0 +1,179 @@
+"""Redis access: connection set-up from the config, error translation, and the bulk piece transfers.
+
+This module is the one boundary where redis-py's exceptions become kvredis's
+(:func:`translate_errors`). Connections use redis-py's Python command packer instead of hiredis's: it
+sends memoryviews straight to the socket, where hiredis's packer copies every large value twice
+(../shared/notes/redis-transport.md). hiredis still parses replies. Retries are off: a retried RPUSH
+would store an entry twice and a retried BLPOP could drop one, so a failed call fails once, clearly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import Encoder, PythonRespSerializer
+from redis.retry import Retry
+
+from kvredis.config import KVRedisConfig
+from kvredis.errors import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
+
+logger = logging.getLogger("kvredis.client")
+
+_BUFFER_CUTOFF = 6000  # redis-py's own threshold for sending an argument as a separate buffer.
+
+
+@contextlib.contextmanager
+def translate_errors(what: str, config: KVRedisConfig | None = None) -> Iterator[None]:
+    """Re-raise redis-py errors raised inside the block as kvredis errors naming ``what``."""
+    where = f" at {config.masked_url}" if config is not None else ""
+    try:
+        yield
+    except redis.exceptions.TimeoutError as exc:
+        raise KVRedisTimeoutError(f"{what}{where} timed out: {exc}") from None
+    except redis.exceptions.AuthenticationError as exc:
+        raise KVRedisConnectionError(f"{what}{where}: authentication failed: {exc}") from None
+    except redis.exceptions.ConnectionError as exc:
+        raise KVRedisConnectionError(f"{what}{where} failed: {exc}") from None
+    except redis.exceptions.RedisError as exc:
+        raise KVRedisError(f"{what}{where} failed: {type(exc).__name__}: {exc}") from None
+    except OSError as exc:  # TLS set-up errors and the like surface as plain OSErrors.
+        raise KVRedisConnectionError(f"{what}{where} failed: {exc}") from None
+
+
+def connect(config: KVRedisConfig, *, extra_read_timeout_s: float = 0.0) -> redis.Redis:
+    """A redis-py client for ``config``: URL, credentials, TLS, timeouts, no retries, zero-copy packer."""
+    kwargs: dict[str, Any] = {
+        "socket_connect_timeout": config.connect_timeout_s,
+        "socket_timeout": config.socket_timeout_s + extra_read_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "command_packer": PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode),
+    }
+    if config.username is not None:
+        kwargs["username"] = config.username
+    if config.password is not None:
+        kwargs["password"] = config.password
+    if config.url.startswith("rediss://"):
+        if config.tls_ca_file is not None:
+            kwargs["ssl_ca_certs"] = config.tls_ca_file
+        if config.tls_cert_file is not None:
+            kwargs["ssl_certfile"] = config.tls_cert_file
+        if config.tls_key_file is not None:
+            kwargs["ssl_keyfile"] = config.tls_key_file
+    with translate_errors("connecting to Redis", config):
+        return redis.Redis.from_url(config.url, **kwargs)
+
+
+class RedisStore:
+    """The Redis commands kvredis needs, each bounded by the config's timeouts and translated errors.
+
+    Large payloads move as pieces: pipelined SETs with a TTL, and pipelined GETDELs copied into a
+    caller's buffer, with about ``inflight_bytes`` in flight per round trip.
+    """
+
+    def __init__(self, config: KVRedisConfig, client: redis.Redis | None = None) -> None:
+        self.config = config
+        self._owns_clients = client is None
+        self.redis = client if client is not None else connect(config)
+        # Blocking pops wait up to the pop timeout on the server, so their socket bound is longer.
+        self._popper = client if client is not None else connect(
+            config, extra_read_timeout_s=config.pop_timeout_s
+        )
+
+    def _guard(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return translate_errors(what, self.config)
+
+    def ping(self) -> None:
+        """Raise a kvredis error unless Redis answers."""
+        with self._guard("PING"):
+            self.redis.ping()
+
+    def push_record(self, queue: str, record: bytes | memoryview, ttl_ms: int) -> None:
+        """Append ``record`` to list ``queue`` and refresh the list's TTL, atomically."""
+        with self._guard(f"storing record in {queue}"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.rpush(queue, record)
+            pipe.pexpire(queue, ttl_ms)
+            pipe.execute()
+
+    def pop_record(self, queue: str, timeout_s: float) -> bytes | None:
+        """Take the oldest record of ``queue``, waiting up to ``timeout_s`` for one; ``None`` if none came."""
+        with self._guard(f"BLPOP {queue}"):
+            reply = self._popper.blpop([queue], timeout=max(timeout_s, 0.001))
+        if reply is None:
+            return None
+        record = reply[1]
+        if not isinstance(record, bytes):
+            raise KVRedisError("the Redis client decodes responses to text; kvredis needs raw bytes")
+        return record
+
+    def peek_length(self, queue: str) -> int:
+        """How many records wait in ``queue`` (no side effect)."""
+        with self._guard(f"LLEN {queue}"):
+            return int(self.redis.llen(queue))
+
+    def put_pieces(self, keys: Sequence[str], pieces: Sequence[bytes | memoryview], ttl_ms: int) -> None:
+        """SET each key to its piece with a TTL, pipelined; raise if any SET was refused."""
+        batch_bytes = max(self.config.inflight_bytes, 1)
+        with self._guard(f"storing {len(keys)} pieces"):
+            pipe = self.redis.pipeline(transaction=False)
+            pending = 0
+            for key, piece in zip(keys, pieces, strict=True):
+                pipe.set(key, piece, px=ttl_ms)
+                pending += len(piece)
+                if pending >= batch_bytes:
+                    _check_all(pipe.execute(raise_on_error=True), "SET")
+                    pending = 0
+            if len(pipe):
+                _check_all(pipe.execute(raise_on_error=True), "SET")
+
+    def take_pieces(self, keys: Sequence[str], sizes: Sequence[int], out: memoryview) -> list[str]:
+        """GETDEL each key into consecutive slices of ``out``; returns the keys that were missing.
+
+        Stops early at the first missing or wrongly sized piece: the entry is lost either way, and the
+        caller deletes what is left.
+        """
+        per_batch = max(1, self.config.inflight_bytes // max(max(sizes, default=1), 1))
+        position = 0
+        with self._guard(f"reading {len(keys)} pieces"):
+            for start in range(0, len(keys), per_batch):
+                batch = keys[start:start + per_batch]
+                pipe = self.redis.pipeline(transaction=False)
+                for key in batch:
+                    pipe.getdel(key)
+                replies = pipe.execute()
+                for key, size, value in zip(batch, sizes[start:start + per_batch], replies, strict=True):
+                    if value is None or len(value) != size:
+                        return [key]
+                    out[position:position + size] = value
+                    position += size
+        return []
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Delete keys (ignoring ones already gone); returns how many existed."""
+        if not keys:
+            return 0
+        with self._guard(f"deleting {len(keys)} keys"):
+            return int(self.redis.delete(*keys))
+
+    def scan(self, pattern: str, count: int = 1000) -> Iterator[str]:
+        """Iterate over keys matching ``pattern`` without blocking the server."""
+        with self._guard(f"SCAN {pattern}"):
+            for key in self.redis.scan_iter(match=pattern, count=count):
+                yield key.decode() if isinstance(key, bytes) else str(key)
+
+    def close(self) -> None:
+        """Close the connections this store opened (not a client passed in)."""
+        if self._owns_clients:
+            self.redis.close()
+            self._popper.close()
+
+
+def _check_all(replies: list[Any], command: str) -> None:
+    for reply in replies:
+        if reply is not True and reply != b"OK":
+            raise KVRedisError(f"{command} was refused: {reply!r}")

@@ -1,0 +1,245 @@
+"""Every kvredis setting, read from ``KVREDIS_*`` environment variables and an optional override mapping.
+
+The mapping is vLLM's ``kv_connector_extra_config``: the same names in lower case without the prefix
+(``{"url": ..., "ttl_s": ...}``). Each setting is declared once in :data:`SETTINGS`, with its variable,
+default and meaning; README's table is checked against that list by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kvredis.errors import ConfigError
+
+ENV_PREFIX = "KVREDIS_"
+URL_SCHEMES = ("redis", "rediss", "unix")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_url(value: Any) -> str:
+    url = str(value).strip()
+    scheme = urlsplit(url).scheme
+    if scheme not in URL_SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; use one of {', '.join(s + '://' for s in URL_SCHEMES)}")
+    return url
+
+
+def _parse_namespace(value: Any) -> str:
+    text = str(value)
+    if not _NAMESPACE_RE.match(text):
+        # Colons, braces and globs would break key parsing, cluster hash tags and ACL key patterns.
+        raise ValueError("must be 1-64 characters of letters, digits, '_', '.' or '-'")
+    return text
+
+
+def _positive_float(value: Any) -> float:
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise ValueError("must be a positive, finite number")
+    return number
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("must be a size in bytes")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = _SIZE_RE.match(str(value))
+        if not match:
+            raise ValueError("must be a size in bytes, optionally with a KiB/MiB/GiB suffix")
+        unit = (match.group(2) or "").upper()[:1] or ""
+        number = int(match.group(1)) * _SIZE_UNITS[unit]
+    if number <= 0:
+        raise ValueError("must be a positive size")
+    return number
+
+
+def _chunk_size(value: Any) -> int:
+    number = _size(value)
+    # Redis refuses single values past 512 MB (proto-max-bulk-len); tiny pieces waste round trips.
+    if not 4096 <= number <= 256 << 20:
+        raise ValueError("must be between 4 KiB and 256 MiB")
+    return number
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError("must be one of true/false, 1/0, yes/no, on/off")
+
+
+def _optional_str(value: Any) -> str | None:
+    text = "" if value is None else str(value)
+    return text or None
+
+
+def _optional_file(value: Any) -> str | None:
+    path = _optional_str(value)
+    if path is not None and not os.path.isfile(path):
+        raise ValueError("no such file")
+    return path
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configurable value: its field name, parser, default and one-line meaning."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    secret: bool = False
+
+    @property
+    def env(self) -> str:
+        """The environment variable that sets it."""
+        return ENV_PREFIX + self.name.upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("url", _parse_url, "redis://localhost:6379/0",
+            "Redis to use: `redis://[user:pass@]host:port/db`, `rediss://` for TLS, `unix:///path.sock`."),
+    Setting("namespace", _parse_namespace, "kvredis",
+            "Key prefix; tenants sharing one Redis use different namespaces."),
+    Setting("ttl_s", _positive_float, 300.0,
+            "Seconds an entry lives in Redis if no one takes it."),
+    Setting("pop_timeout_s", _positive_float, 5.0,
+            "Longest a reader waits for an entry that is not there yet (blocking pop)."),
+    Setting("chunk_bytes", _chunk_size, 1 << 20,
+            "Payloads larger than this are split into pieces of this size (4 KiB-256 MiB; `1MiB` works)."),
+    Setting("inflight_bytes", _size, 4 << 20,
+            "Bytes of pieces sent or requested per pipelined round trip."),
+    Setting("max_entry_bytes", _size, 8 << 30,
+            "Largest entry accepted on write or read; a header claiming more is refused before allocating."),
+    Setting("connect_timeout_s", _positive_float, 2.0,
+            "Bound on opening a connection to Redis."),
+    Setting("socket_timeout_s", _positive_float, 10.0,
+            "Bound on any single Redis reply (added to the pop timeout for blocking pops)."),
+    Setting("checksum", _bool, True,
+            "Verify a CRC32 of every payload on read (costs ~0.2 ms per MiB)."),
+    Setting("username", _optional_str, None,
+            "ACL user name (overrides the one in the URL)."),
+    Setting("password", _optional_str, None,
+            "Password (overrides the one in the URL); never printed.", secret=True),
+    Setting("tls_ca_file", _optional_file, None,
+            "CA bundle to verify the server with `rediss://`."),
+    Setting("tls_cert_file", _optional_file, None,
+            "Client certificate for mutual TLS."),
+    Setting("tls_key_file", _optional_file, None,
+            "Private key of the client certificate."),
+)
+_BY_NAME = {setting.name: setting for setting in SETTINGS}
+
+
+def _mask_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+@dataclass(frozen=True)
+class KVRedisConfig:
+    """The effective kvredis settings; build it with :meth:`from_env`."""
+
+    url: str = "redis://localhost:6379/0"
+    namespace: str = "kvredis"
+    ttl_s: float = 300.0
+    pop_timeout_s: float = 5.0
+    chunk_bytes: int = 1 << 20
+    inflight_bytes: int = 4 << 20
+    max_entry_bytes: int = 8 << 30
+    connect_timeout_s: float = 2.0
+    socket_timeout_s: float = 10.0
+    checksum: bool = True
+    username: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for setting in SETTINGS:
+            value = getattr(self, setting.name)
+            if value is None or value == setting.default:
+                continue
+            try:
+                object.__setattr__(self, setting.name, setting.parse(value))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{setting.env}={_shown(setting, value)}: {exc}") from None
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+    ) -> KVRedisConfig:
+        """Read ``KVREDIS_*`` variables from ``env`` (default ``os.environ``), then apply ``overrides``."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for setting in SETTINGS:
+            if setting.env in env:
+                values[setting.name] = _parse(setting, env[setting.env], setting.env)
+        for key, raw in (overrides or {}).items():
+            found = _BY_NAME.get(str(key).lower())
+            if found is None:
+                known = ", ".join(sorted(_BY_NAME))
+                raise ConfigError(f"unknown kvredis setting {key!r} in overrides; known: {known}")
+            values[found.name] = _parse(found, raw, f"{key} (override)")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> KVRedisConfig:
+        """A copy with some settings changed (validated like the originals)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> dict[str, str]:
+        """Every setting as text keyed by its variable, secrets and URL passwords masked."""
+        shown = {}
+        for setting in SETTINGS:
+            value = getattr(self, setting.name)
+            shown[setting.env] = _shown(setting, value)
+        return shown
+
+    @property
+    def masked_url(self) -> str:
+        """The URL with any password replaced by ``***``."""
+        return _mask_url(self.url)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{s.name}={_shown(s, getattr(self, s.name))!s}" for s in SETTINGS)
+        return f"KVRedisConfig({fields})"
+
+
+def _parse(setting: Setting, raw: Any, source: str) -> Any:
+    try:
+        return setting.parse(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}={_shown(setting, raw)}: {exc}") from None
+
+
+def _shown(setting: Setting, value: Any) -> str:
+    if value is None:
+        return ""
+    if setting.secret:
+        return "***"
+    if setting.name == "url":
+        return _mask_url(str(value))
+    return str(value)
