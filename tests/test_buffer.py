@@ -1,0 +1,288 @@
+"""RedisLookupBuffer: the seed's insert / drop_select, on fakeredis and on a real Redis."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from conftest import namespace_keys
+
+from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError
+from kvredis.buffer import RedisLookupBuffer
+from kvredis.config import KVRedisConfig
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int8, torch.uint8]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * dtype.itemsize,), dtype=torch.uint8,
+                        generator=generator)
+    return raw.view(dtype).reshape(shape)
+
+
+def kv_entry(tokens: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16, layers: int = 2,
+             heads: int = 2, head_dim: int = 16) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    input_tokens = torch.randint(0, 32000, (tokens,), generator=generator)
+    key = random_tensor((layers, tokens, heads, head_dim), dtype, generator)
+    value = random_tensor((layers, tokens, heads, head_dim), dtype, generator)
+    hidden = random_tensor((tokens, 32), torch.float32, generator)
+    return input_tokens, key, value, hidden
+
+
+def identical(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def assert_entry(result: list, tokens: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 hidden: torch.Tensor | None) -> None:
+    assert identical(result[0], tokens.to(torch.int64))
+    assert result[1] is not None and bool(result[1].all())
+    assert identical(result[2], key)
+    assert identical(result[3], value)
+    assert identical(result[4], hidden)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 4096], ids=["inline", "chunked"])
+def test_round_trip_is_bit_identical(make_buffer, chunk_bytes):
+    buffer = make_buffer(chunk_bytes=chunk_bytes)
+    tokens, key, value, hidden = kv_entry(37)
+    buffer.insert(tokens, None, key, value, hidden)
+    assert_entry(buffer.drop_select(tokens, None), tokens, key, value, hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_kv_dtype_round_trips(make_buffer, dtype):
+    buffer = make_buffer(chunk_bytes=4096)
+    tokens, key, value, hidden = kv_entry(19, dtype=dtype)
+    buffer.insert(tokens, None, key, value, hidden)
+    assert_entry(buffer.drop_select(tokens, None), tokens, key, value, hidden)
+
+
+def test_hidden_may_be_none(make_buffer):
+    buffer = make_buffer()
+    tokens, key, value, _ = kv_entry(5)
+    buffer.insert(tokens, None, key, value, None)
+    result = buffer.drop_select(tokens, None)
+    assert_entry(result, tokens, key, value, None)
+
+
+def test_entries_are_taken_in_any_order(make_buffer):
+    buffer = make_buffer()
+    entries = {name: kv_entry(10 + i, seed=i) for i, name in enumerate("ABC")}
+    for tokens, key, value, hidden in entries.values():
+        buffer.insert(tokens, None, key, value, hidden)
+    for name in "CAB":
+        tokens, key, value, hidden = entries[name]
+        assert_entry(buffer.drop_select(tokens, None), tokens, key, value, hidden)
+
+
+def test_roi_is_part_of_the_key(make_buffer):
+    buffer = make_buffer(pop_timeout_s=0.2)
+    tokens, key, value, hidden = kv_entry(8)
+    roi = torch.ones(8, dtype=torch.bool)
+    roi[-1] = False
+    buffer.insert(tokens, roi, key, value, hidden)
+    assert buffer.drop_select(tokens, None) == [None] * 5
+    result = buffer.drop_select(tokens, roi)
+    assert torch.equal(result[1], roi)
+    assert identical(result[2], key)
+
+
+def test_roi_none_means_every_token(make_buffer):
+    buffer = make_buffer()
+    tokens, key, value, hidden = kv_entry(6)
+    buffer.insert(tokens, torch.ones(6, dtype=torch.bool), key, value, hidden)
+    assert_entry(buffer.drop_select(tokens, None), tokens, key, value, hidden)
+
+
+def test_same_prompt_twice_is_two_entries_each_taken_once(make_buffer):
+    buffer = make_buffer(pop_timeout_s=0.2)
+    tokens, key, value, hidden = kv_entry(12)
+    other_key = key.clone()
+    other_key.view(torch.uint8)[0, 0, 0, 0] ^= 1
+    buffer.insert(tokens, None, key, value, hidden)
+    buffer.insert(tokens, None, other_key, value, hidden)
+    first, second = buffer.drop_select(tokens, None), buffer.drop_select(tokens, None)
+    assert identical(first[2], key) and identical(second[2], other_key)
+    assert buffer.drop_select(tokens, None) == [None] * 5
+
+
+def test_miss_returns_five_nones_within_the_timeout(make_buffer):
+    buffer = make_buffer(pop_timeout_s=0.3)
+    tokens, *_ = kv_entry(4)
+    started = time.monotonic()
+    assert buffer.drop_select(tokens, None) == [None] * 5
+    elapsed = time.monotonic() - started
+    assert 0.25 <= elapsed < 0.3 + 0.5
+    assert buffer.stats["misses"] == 1
+
+
+def test_a_reader_that_comes_first_waits_for_the_writer(make_buffer):
+    reader, writer = make_buffer(pop_timeout_s=5.0), make_buffer()
+    tokens, key, value, hidden = kv_entry(300, layers=4)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(reader.drop_select(tokens, None)))
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive(), "the reader returned before anything was written"
+    writer.insert(tokens, None, key, value, hidden)
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert_entry(results[0], tokens, key, value, hidden)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 4096], ids=["inline", "chunked"])
+def test_every_key_has_the_ttl_and_none_is_left_after_select(make_buffer, chunk_bytes):
+    buffer = make_buffer(ttl_s=60, chunk_bytes=chunk_bytes)
+    tokens, key, value, hidden = kv_entry(64)
+    buffer.insert(tokens, None, key, value, hidden)
+    keys = namespace_keys(buffer)
+    assert keys and (len(keys) > 1) == (chunk_bytes == 4096)
+    for name in keys:
+        assert 0 < buffer.store.redis.pttl(name) <= 60_000
+    buffer.drop_select(tokens, None)
+    assert namespace_keys(buffer) == []
+
+
+def test_an_entry_missing_a_piece_is_a_miss_and_is_cleaned_up(make_buffer):
+    buffer = make_buffer(chunk_bytes=4096, pop_timeout_s=0.2)
+    tokens, key, value, hidden = kv_entry(64)
+    buffer.insert(tokens, None, key, value, hidden)
+    pieces = sorted(name for name in namespace_keys(buffer) if not name.endswith(":q"))
+    buffer.store.redis.delete(pieces[len(pieces) // 2])  # as if evicted
+    assert buffer.drop_select(tokens, None) == [None] * 5
+    assert buffer.stats["partial"] == 1
+    assert namespace_keys(buffer) == []
+
+
+def test_a_corrupt_record_is_rejected_and_the_next_entry_returned(make_buffer):
+    buffer = make_buffer()
+    tokens, key, value, hidden = kv_entry(9)
+    queue = buffer.keyspace.entry(tokens).queue
+    buffer.store.redis.rpush(queue, b"\x80\x04not ours at all")
+    buffer.insert(tokens, None, key, value, hidden)
+    assert_entry(buffer.drop_select(tokens, None), tokens, key, value, hidden)
+    assert buffer.stats["rejected"] == 1
+
+
+def test_a_record_for_other_tokens_under_the_key_is_rejected(make_buffer):
+    buffer = make_buffer(pop_timeout_s=0.2)
+    tokens, key, value, hidden = kv_entry(9)
+    other = tokens.clone()
+    other[0] += 1
+    buffer.insert(other, None, key, value, hidden)
+    record = buffer.store.redis.lpop(buffer.keyspace.entry(other).queue)
+    buffer.store.redis.rpush(buffer.keyspace.entry(tokens).queue, record)  # planted under another key
+    assert buffer.drop_select(tokens, None) == [None] * 5
+    assert buffer.stats["rejected"] == 1
+
+
+def test_entry_larger_than_the_limit_is_refused_before_writing(make_buffer):
+    buffer = make_buffer(max_entry_bytes=4096)
+    tokens, key, value, hidden = kv_entry(64)
+    with pytest.raises(EntryTooLargeError, match="KVREDIS_MAX_ENTRY_BYTES"):
+        buffer.insert(tokens, None, key, value, hidden)
+    assert namespace_keys(buffer) == []
+
+
+def test_drop_select_needs_tokens(make_buffer):
+    with pytest.raises(ValueError, match="input_tokens"):
+        make_buffer().drop_select(None, None)
+
+
+def test_closed_buffer_refuses_calls(make_buffer):
+    buffer = make_buffer()
+    buffer.close()
+    tokens, key, value, hidden = kv_entry(3)
+    with pytest.raises(KVRedisError, match="closed"):
+        buffer.insert(tokens, None, key, value, hidden)
+
+
+def test_concurrent_writers_and_readers_get_every_entry_once(make_buffer, backend):
+    count = 200 if backend == "real" else 60
+    buffer = make_buffer(chunk_bytes=8192, pop_timeout_s=10.0)
+    generator = torch.Generator().manual_seed(7)
+    entries = []
+    for i in range(count):
+        dtype = DTYPES[i % len(DTYPES)]
+        tokens = torch.arange(i * 1000, i * 1000 + 1 + (i % 50))
+        shape = (1 + i % 3, tokens.numel(), 1 + i % 4, 8)
+        entries.append((tokens, random_tensor(shape, dtype, generator), random_tensor(shape, dtype, generator),
+                        random_tensor((tokens.numel(), 16), torch.float16, generator) if i % 2 else None))
+    write_order, read_order = list(range(count)), list(range(count))
+    random.Random(1).shuffle(write_order)
+    random.Random(2).shuffle(read_order)
+    failures: list[str] = []
+
+    def write(part: list[int]) -> None:
+        for i in part:
+            tokens, key, value, hidden = entries[i]
+            buffer.insert(tokens, None, key, value, hidden)
+
+    def read(part: list[int]) -> None:
+        for i in part:
+            tokens, key, value, hidden = entries[i]
+            result = buffer.drop_select(tokens, None)
+            if not (identical(result[2], key) and identical(result[3], value) and identical(result[4], hidden)):
+                failures.append(f"entry {i} came back wrong or missing")
+
+    threads = [threading.Thread(target=write, args=(write_order[k::4],)) for k in range(4)]
+    threads += [threading.Thread(target=read, args=(read_order[k::4],)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
+    assert buffer.stats["selected"] == count
+    assert namespace_keys(buffer) == []
+
+
+def test_a_64_mib_entry_in_pieces_comes_back_identical(real_redis_url, namespace):
+    config = KVRedisConfig.from_env({}, {"url": real_redis_url, "namespace": namespace})
+    with RedisLookupBuffer(config) as buffer:
+        generator = torch.Generator().manual_seed(3)
+        tokens = torch.arange(1024)
+        key = random_tensor((16, 1024, 8, 128), torch.bfloat16, generator)  # 32 MiB
+        value = random_tensor((16, 1024, 8, 128), torch.bfloat16, generator)  # 32 MiB
+        hidden = random_tensor((1024, 256), torch.float32, generator)
+        buffer.insert(tokens, None, key, value, hidden)
+        assert len(namespace_keys(buffer)) > 64
+        assert_entry(buffer.drop_select(tokens, None), tokens, key, value, hidden)
+        assert namespace_keys(buffer) == []
+
+
+def test_ttl_really_expires_every_key(real_redis_url, namespace):
+    config = KVRedisConfig.from_env(
+        {}, {"url": real_redis_url, "namespace": namespace, "ttl_s": 0.3, "chunk_bytes": 4096,
+             "pop_timeout_s": 0.2})
+    with RedisLookupBuffer(config) as buffer:
+        tokens, key, value, hidden = kv_entry(64)
+        buffer.insert(tokens, None, key, value, hidden)
+        assert namespace_keys(buffer)
+        time.sleep(0.6)
+        assert namespace_keys(buffer) == []
+        assert buffer.drop_select(tokens, None) == [None] * 5
+
+
+def test_unreachable_redis_fails_clearly_within_the_connect_timeout(namespace):
+    from redis_servers import free_port
+
+    config = KVRedisConfig.from_env({}, {"url": f"redis://127.0.0.1:{free_port()}/0", "namespace": namespace,
+                                         "connect_timeout_s": 0.5})
+    with RedisLookupBuffer(config) as buffer:
+        tokens, key, value, hidden = kv_entry(3)
+        started = time.monotonic()
+        with pytest.raises(KVRedisConnectionError, match="127.0.0.1"):
+            buffer.insert(tokens, None, key, value, hidden)
+        with pytest.raises(KVRedisConnectionError):
+            buffer.drop_select(tokens, None)
+        assert time.monotonic() - started < 2.0
