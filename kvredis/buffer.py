@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,8 +23,9 @@ import torch
 from kvredis import codec
 from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
-from kvredis.errors import CodecError, EntryTooLargeError, KVRedisError
+from kvredis.errors import CodecError, EntryTooLargeError, KVRedisError, KVRedisTimeoutError
 from kvredis.keys import CacheIdentity, EntryKeys, KeySpace, canonical_roi, canonical_tokens
+from kvredis.metrics import Metrics
 
 logger = logging.getLogger("kvredis.buffer")
 
@@ -52,8 +51,7 @@ class RedisLookupBuffer:
         self.config = config if config is not None else KVRedisConfig.from_env()
         self.keyspace = KeySpace(self.config.namespace, identity or CacheIdentity())
         self.store = RedisStore(self.config, client)
-        self.stats: Counter[str] = Counter()
-        self._stats_lock = threading.Lock()
+        self.metrics = Metrics(self.config.namespace)
         self._closed = False
 
     # -- writing ---------------------------------------------------------------------------------
@@ -68,6 +66,7 @@ class RedisLookupBuffer:
     ) -> None:
         """Store ``[key, value, hidden]`` for the prompt; returns once the whole entry is in Redis."""
         self._check_open()
+        started = time.perf_counter()
         tokens = torch.from_numpy(canonical_tokens(input_tokens))
         mask = torch.from_numpy(canonical_roi(roi, tokens.numel())).to(torch.bool)
         keys = self.keyspace.entry(tokens, mask)
@@ -90,8 +89,7 @@ class RedisLookupBuffer:
             piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
             self.store.put_pieces(piece_keys, _pieces(encoded.payload, chunk), ttl_ms)
             self.store.push_record(keys.queue, encoded.header, ttl_ms)
-        self._count("inserted")
-        self._count("bytes_inserted", size)
+        self.metrics.stored(size, time.perf_counter() - started)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -105,18 +103,27 @@ class RedisLookupBuffer:
         tokens = torch.from_numpy(canonical_tokens(input_tokens))
         mask = torch.from_numpy(canonical_roi(roi, tokens.numel())).to(torch.bool)
         keys = self.keyspace.entry(tokens, mask)
+        started = time.perf_counter()
         deadline = time.monotonic() + self.config.pop_timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            record = self.store.pop_record(keys.queue, remaining)
-            if record is None:
-                break
-            entry = self._read_entry(keys, record, tokens, mask)
-            if entry is not None:
-                return entry
-        self._count("misses")
+        cause = "absent"
+        try:
+            while (remaining := deadline - time.monotonic()) > 0:
+                record = self.store.pop_record(keys.queue, remaining)
+                if record is None:
+                    break
+                entry, cause = self._read_entry(keys, record, tokens, mask)
+                if entry is not None:
+                    nbytes = sum(t.nbytes for t in entry if t is not None)
+                    self.metrics.loaded(nbytes, time.perf_counter() - started)
+                    return entry
+        except KVRedisTimeoutError:
+            self.metrics.timeout()
+            self.metrics.miss("timeout")
+            raise
+        except KVRedisError:
+            self.metrics.miss("error")
+            raise
+        self.metrics.miss(cause)
         return list(_MISS)
 
     def contains(self, input_tokens: torch.Tensor, roi: torch.Tensor | None = None) -> bool:
@@ -125,7 +132,8 @@ class RedisLookupBuffer:
 
     def _read_entry(
         self, keys: EntryKeys, record: bytes, tokens: torch.Tensor, mask: torch.Tensor
-    ) -> Entry | None:
+    ) -> tuple[Entry | None, str]:
+        """The entry in ``record``, or ``None`` and why it was dropped."""
         try:
             header = codec.read_header(record, max_payload_bytes=self.config.max_entry_bytes)
             pieces = header.meta.get("pieces", 0)
@@ -134,19 +142,19 @@ class RedisLookupBuffer:
             else:
                 payload = self._take_pieces(keys, header)
                 if payload is None:
-                    return None
+                    self.metrics.dropped("partial")
+                    return None, "partial"
             entry = codec.decode_payload(header, payload, verify=self.config.checksum)
         except CodecError as exc:
-            self._count("rejected")
+            cause = "foreign" if "foreign" in str(exc) or "version" in str(exc) else "corrupt"
+            self.metrics.dropped(cause)
             logger.warning("dropped an unreadable entry in %s: %s", keys.queue, exc)
-            return None
+            return None, cause
         if len(entry) != 5 or not _same(entry[0], tokens) or not _same(entry[1], mask):
-            self._count("rejected")
+            self.metrics.dropped("foreign")
             logger.warning("dropped an entry in %s whose tokens differ from the request", keys.queue)
-            return None
-        self._count("selected")
-        self._count("bytes_selected", header.payload_nbytes)
-        return entry
+            return None, "foreign"
+        return entry, "hit"
 
     def _take_pieces(self, keys: EntryKeys, header: codec.Header) -> torch.Tensor | None:
         meta = header.meta
@@ -161,17 +169,12 @@ class RedisLookupBuffer:
         missing = self.store.take_pieces(piece_keys, sizes, out.numpy().data.cast("B"))
         if missing:
             self.store.delete(piece_keys)
-            self._count("partial")
             logger.warning("entry %s in %s lost piece %s (evicted or expired): treated as a miss",
                            entry_id, keys.queue, missing[0])
             return None
         return out
 
     # -- housekeeping ----------------------------------------------------------------------------
-
-    def _count(self, name: str, amount: int = 1) -> None:
-        with self._stats_lock:
-            self.stats[name] += amount
 
     def _check_open(self) -> None:
         if self._closed:

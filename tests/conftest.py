@@ -13,10 +13,10 @@ import redis
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from redis_servers import RedisServer  # noqa: E402
+from redis_servers import RedisServer
 
-from kvredis.buffer import RedisLookupBuffer  # noqa: E402
-from kvredis.config import KVRedisConfig  # noqa: E402
+from kvredis.buffer import RedisLookupBuffer
+from kvredis.config import KVRedisConfig
 
 REAL_URL = os.environ.get("KVREDIS_TEST_URL", "redis://127.0.0.1:6379/0")
 # CI sets this so that a missing Redis fails the run instead of silently skipping the real-server tests.

@@ -122,7 +122,7 @@ def test_miss_returns_five_nones_within_the_timeout(make_buffer):
     assert buffer.drop_select(tokens, None) == [None] * 5
     elapsed = time.monotonic() - started
     assert 0.25 <= elapsed < 0.3 + 0.5
-    assert buffer.stats["misses"] == 1
+    assert buffer.metrics["misses"] == 1 and buffer.metrics["miss_absent"] == 1
 
 
 def test_a_reader_that_comes_first_waits_for_the_writer(make_buffer):
@@ -159,7 +159,7 @@ def test_an_entry_missing_a_piece_is_a_miss_and_is_cleaned_up(make_buffer):
     pieces = sorted(name for name in namespace_keys(buffer) if not name.endswith(":q"))
     buffer.store.redis.delete(pieces[len(pieces) // 2])  # as if evicted
     assert buffer.drop_select(tokens, None) == [None] * 5
-    assert buffer.stats["partial"] == 1
+    assert buffer.metrics["dropped_partial"] == 1 and buffer.metrics["miss_partial"] == 1
     assert namespace_keys(buffer) == []
 
 
@@ -170,7 +170,7 @@ def test_a_corrupt_record_is_rejected_and_the_next_entry_returned(make_buffer):
     buffer.store.redis.rpush(queue, b"\x80\x04not ours at all")
     buffer.insert(tokens, None, key, value, hidden)
     assert_entry(buffer.drop_select(tokens, None), tokens, key, value, hidden)
-    assert buffer.stats["rejected"] == 1
+    assert buffer.metrics["dropped_foreign"] == 1 and buffer.metrics["misses"] == 0
 
 
 def test_a_record_for_other_tokens_under_the_key_is_rejected(make_buffer):
@@ -182,7 +182,7 @@ def test_a_record_for_other_tokens_under_the_key_is_rejected(make_buffer):
     record = buffer.store.redis.lpop(buffer.keyspace.entry(other).queue)
     buffer.store.redis.rpush(buffer.keyspace.entry(tokens).queue, record)  # planted under another key
     assert buffer.drop_select(tokens, None) == [None] * 5
-    assert buffer.stats["rejected"] == 1
+    assert buffer.metrics["dropped_foreign"] == 1 and buffer.metrics["miss_foreign"] == 1
 
 
 def test_entry_larger_than_the_limit_is_refused_before_writing(make_buffer):
@@ -215,8 +215,9 @@ def test_concurrent_writers_and_readers_get_every_entry_once(make_buffer, backen
         dtype = DTYPES[i % len(DTYPES)]
         tokens = torch.arange(i * 1000, i * 1000 + 1 + (i % 50))
         shape = (1 + i % 3, tokens.numel(), 1 + i % 4, 8)
-        entries.append((tokens, random_tensor(shape, dtype, generator), random_tensor(shape, dtype, generator),
-                        random_tensor((tokens.numel(), 16), torch.float16, generator) if i % 2 else None))
+        hidden = random_tensor((tokens.numel(), 16), torch.float16, generator) if i % 2 else None
+        key, value = random_tensor(shape, dtype, generator), random_tensor(shape, dtype, generator)
+        entries.append((tokens, key, value, hidden))
     write_order, read_order = list(range(count)), list(range(count))
     random.Random(1).shuffle(write_order)
     random.Random(2).shuffle(read_order)
@@ -231,7 +232,8 @@ def test_concurrent_writers_and_readers_get_every_entry_once(make_buffer, backen
         for i in part:
             tokens, key, value, hidden = entries[i]
             result = buffer.drop_select(tokens, None)
-            if not (identical(result[2], key) and identical(result[3], value) and identical(result[4], hidden)):
+            same = identical(result[2], key) and identical(result[3], value) and identical(result[4], hidden)
+            if not same:
                 failures.append(f"entry {i} came back wrong or missing")
 
     threads = [threading.Thread(target=write, args=(write_order[k::4],)) for k in range(4)]
@@ -242,7 +244,7 @@ def test_concurrent_writers_and_readers_get_every_entry_once(make_buffer, backen
         thread.join(timeout=120)
     assert not any(thread.is_alive() for thread in threads)
     assert failures == []
-    assert buffer.stats["selected"] == count
+    assert buffer.metrics["loaded"] == count
     assert namespace_keys(buffer) == []
 
 
@@ -281,7 +283,7 @@ def test_unreachable_redis_fails_clearly_within_the_connect_timeout(namespace):
     with RedisLookupBuffer(config) as buffer:
         tokens, key, value, hidden = kv_entry(3)
         started = time.monotonic()
-        with pytest.raises(KVRedisConnectionError, match="127.0.0.1"):
+        with pytest.raises(KVRedisConnectionError, match=r"127\.0\.0\.1"):
             buffer.insert(tokens, None, key, value, hidden)
         with pytest.raises(KVRedisConnectionError):
             buffer.drop_select(tokens, None)

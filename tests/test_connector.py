@@ -99,9 +99,11 @@ def test_pipeline_stage_uses_its_own_layers(make_buffer):
     sender.send_kv_caches_and_hidden_states(model(start_layer=8), batch(prompt, slots), caches,
                                             torch.zeros(7, 4))
     target = paged_caches(fill=SENTINEL)
-    _, bypass, _ = receiver.recv_kv_caches_and_hidden_states(model(start_layer=8), batch(prompt, slots), target)
+    _, bypass, _ = receiver.recv_kv_caches_and_hidden_states(
+        model(start_layer=8), batch(prompt, slots), target)
     assert bypass is True
-    assert all(torch.equal(slot_view(t, 1)[slots], slot_view(c, 1)[slots]) for t, c in zip(target, caches))
+    for got, sent in zip(target, caches, strict=True):
+        assert torch.equal(slot_view(got, 1)[slots], slot_view(sent, 1)[slots])
 
 
 def test_a_cache_of_another_dtype_is_not_written(make_buffer):
@@ -120,4 +122,5 @@ def test_profiling_runs_move_nothing(make_buffer):
     empty = [torch.empty(0) for _ in range(LAYERS)]
     connector.send_kv_caches_and_hidden_states(model(), batch(PROMPTS, torch.arange(23)), empty, None)
     assert list(connector.buffer.store.scan(f"{connector.config.namespace}:*")) == []
-    assert connector.recv_kv_caches_and_hidden_states(model(), batch(PROMPTS, torch.arange(23)), empty)[1] is False
+    result = connector.recv_kv_caches_and_hidden_states(model(), batch(PROMPTS, torch.arange(23)), empty)
+    assert result[1] is False

@@ -1,0 +1,109 @@
+"""Counters and latency histograms: kept in-process, and exported to Prometheus when it is installed.
+
+vLLM already serves ``prometheus_client``'s default registry on its ``/metrics`` endpoint, so kvredis
+registers there and its series appear next to vLLM's. Without ``prometheus_client`` (the ``metrics``
+extra) only the in-process counts exist; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+try:
+    import prometheus_client
+except ImportError:  # an optional extra
+    prometheus_client = None
+
+MISS_CAUSES = ("absent", "partial", "corrupt", "foreign", "mismatch", "error", "timeout")
+"""Why a lookup missed: nothing came; a piece was gone; unreadable; another format or prompt; a shape or
+dtype this reader cannot use; Redis failed; Redis did not answer in time."""
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_prometheus: dict[str, Any] = {}
+_prometheus_lock = threading.Lock()
+
+
+def _series() -> dict[str, Any]:
+    """The process-wide Prometheus series, created once (a name can be registered only once)."""
+    if prometheus_client is None:
+        return {}
+    with _prometheus_lock:
+        if not _prometheus:
+            counter, histogram = prometheus_client.Counter, prometheus_client.Histogram
+            _prometheus.update(
+                stored=counter("kvredis_entries_stored", "Entries written to Redis", ["namespace"]),
+                loaded=counter("kvredis_entries_loaded", "Entries read back from Redis", ["namespace"]),
+                misses=counter("kvredis_misses", "Lookups that found no usable entry",
+                               ["namespace", "cause"]),
+                dropped=counter("kvredis_dropped_entries", "Entries taken but unusable, dropped",
+                                ["namespace", "cause"]),
+                timeouts=counter("kvredis_timeouts", "Redis calls that ran past their bound", ["namespace"]),
+                bytes=counter("kvredis_bytes", "Payload bytes moved", ["namespace", "direction"]),
+                store_seconds=histogram("kvredis_store_seconds", "Time to store one entry", ["namespace"],
+                                        buckets=_LATENCY_BUCKETS),
+                load_seconds=histogram("kvredis_load_seconds", "Time to load one entry", ["namespace"],
+                                       buckets=_LATENCY_BUCKETS),
+            )
+    return _prometheus
+
+
+class Metrics:
+    """The counters of one buffer or connector, labelled with its namespace."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._series = _series()
+
+    def _add(self, name: str, amount: float = 1) -> None:
+        with self._lock:
+            self.counts[name] += int(amount)
+
+    def stored(self, nbytes: int, seconds: float) -> None:
+        """One entry written."""
+        self._add("stored")
+        self._add("bytes_stored", nbytes)
+        if self._series:
+            self._series["stored"].labels(self.namespace).inc()
+            self._series["bytes"].labels(self.namespace, "stored").inc(nbytes)
+            self._series["store_seconds"].labels(self.namespace).observe(seconds)
+
+    def loaded(self, nbytes: int, seconds: float) -> None:
+        """One entry read back (a hit)."""
+        self._add("loaded")
+        self._add("bytes_loaded", nbytes)
+        if self._series:
+            self._series["loaded"].labels(self.namespace).inc()
+            self._series["bytes"].labels(self.namespace, "loaded").inc(nbytes)
+            self._series["load_seconds"].labels(self.namespace).observe(seconds)
+
+    def miss(self, cause: str) -> None:
+        """One lookup that found nothing usable, and why (one of :data:`MISS_CAUSES`)."""
+        if cause not in MISS_CAUSES:
+            raise ValueError(f"unknown miss cause {cause!r}")
+        self._add("misses")
+        self._add(f"miss_{cause}")
+        if self._series:
+            self._series["misses"].labels(self.namespace, cause).inc()
+
+    def dropped(self, cause: str) -> None:
+        """One entry taken from Redis but dropped as unusable (one of :data:`MISS_CAUSES`)."""
+        if cause not in MISS_CAUSES:
+            raise ValueError(f"unknown drop cause {cause!r}")
+        self._add("dropped")
+        self._add(f"dropped_{cause}")
+        if self._series:
+            self._series["dropped"].labels(self.namespace, cause).inc()
+
+    def timeout(self) -> None:
+        """One Redis call that ran past its bound."""
+        self._add("timeouts")
+        if self._series:
+            self._series["timeouts"].labels(self.namespace).inc()
+
+    def __getitem__(self, name: str) -> int:
+        with self._lock:
+            return self.counts[name]
