@@ -1,0 +1,385 @@
+"""vLLM V1 connector: ``KVRedisConnector``, loaded by vLLM with ``kv_connector_module_path``.
+
+::
+
+    --kv-transfer-config '{"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
+                           "kv_role": "kv_producer", "kv_load_failure_policy": "recompute"}'
+
+The producer (prefill) saves every prompt it prefills: ``save_kv_layer`` copies the request's token rows
+out of each paged layer as the layer finishes, and ``wait_for_save`` hands the whole prompt to a
+background thread that writes it to Redis, so the copy to Redis overlaps the next step. The blocks are
+free to reuse as soon as the step ends (the rows were copied). ``request_finished`` then tells the proxy,
+through ``kv_transfer_params``, that the entry is on its way.
+
+The consumer (decode) reports ``len(prompt) - 1`` loadable tokens when the request says an entry is on
+its way, or when Redis already holds one; vLLM computes the last token itself. The load runs on a
+background thread (asynchronous, reported through ``get_finished``): it takes the entry with the
+blocking pop, bounded by ``KVREDIS_POP_TIMEOUT_S``, and writes the rows into the request's blocks. A load
+that fails for any reason (missing, expired, evicted, corrupt, another model or layout, Redis down or
+slow) reports the request's blocks through ``get_block_ids_with_load_errors``, so vLLM recomputes them
+(``kv_load_failure_policy: "recompute"``). Only this module imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvredis.buffer import RedisLookupBuffer
+from kvredis.config import KVRedisConfig
+from kvredis.errors import ConfigError, KVRedisError
+from kvredis.keys import CacheIdentity
+from kvredis.paged import PagedLayout, blocks_of, token_slots
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("kvredis.vllm")
+
+SUPPORTED_VLLM = ((0, 32), (0, 34))
+"""The oldest and newest vLLM minor versions this connector is tested against, inclusive."""
+
+TRANSFER_PARAM = "kvredis"
+"""The key under which the producer announces an entry in ``kv_transfer_params``."""
+
+_SHUTDOWN_WAIT_S = 30.0
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise :class:`~kvredis.ConfigError` unless ``version`` is within :data:`SUPPORTED_VLLM`."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VLLM
+    supported = f"{low_major}.{low_minor} to {high_major}.{high_minor}"
+    if match is None:
+        raise ConfigError(f"kvredis supports vLLM {supported}; cannot read this vLLM's version {version!r}")
+    found = (int(match.group(1)), int(match.group(2)))
+    if not SUPPORTED_VLLM[0] <= found <= SUPPORTED_VLLM[1]:
+        raise ConfigError(f"kvredis supports vLLM {supported}; this is vLLM {version}")
+
+
+# -- metadata -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TransferSpec:
+    """One request's tokens to move this step: positions ``start..stop-1`` of ``token_ids``."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    start: int
+    stop: int
+
+
+@dataclass
+class KVRedisConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler asks the workers to load and save in one step."""
+
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Prefill:
+    token_ids: list[int]
+    block_ids: list[int]
+    computed: int
+
+
+def cache_identity(vllm_config: VllmConfig, tp_rank: int) -> CacheIdentity:
+    """What decides whether a stored KV cache fits this engine, computed alike by scheduler and workers."""
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    kv_dtype = str(cache_config.cache_dtype)
+    if kv_dtype == "auto":
+        kv_dtype = str(model_config.dtype).removeprefix("torch.")
+    use_mla = bool(getattr(model_config, "use_mla", False))
+    heads = model_config.get_num_kv_heads(parallel)
+    layout = f"{'mla' if use_mla else 'mha'}:h{heads}:d{model_config.get_head_size()}"
+    layout += f":pp{parallel.pipeline_parallel_size}"
+    return CacheIdentity(
+        model=str(model_config.model),
+        kv_dtype=kv_dtype,
+        layout=layout,
+        block_size=int(cache_config.block_size),
+        tp_rank=tp_rank,
+        tp_size=int(parallel.tensor_parallel_size),
+    )
+
+
+def _worker_tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, RuntimeError):
+        return 0
+
+
+# -- the connector --------------------------------------------------------------------------------
+
+
+class KVRedisConnector(KVConnectorBase_V1):
+    """Disaggregated prefill through Redis: the producer saves prompts' KV, the consumer loads it."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        check_vllm_version(vllm.__version__)
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # the base class refused a missing one
+        self.config = KVRedisConfig.from_env(overrides=transfer.kv_connector_extra_config or {})
+        self._producer = bool(transfer.is_kv_producer)
+        self._consumer = bool(transfer.is_kv_consumer)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        tp_rank = _worker_tp_rank() if role == KVConnectorRole.WORKER else 0
+        self.identity = cache_identity(vllm_config, tp_rank)
+        self.buffer = RedisLookupBuffer(self.config, identity=self.identity)
+        self.metrics = self.buffer.metrics
+        # Scheduler side.
+        self._pending_loads: dict[str, TransferSpec] = {}
+        self._loading: set[str] = set()
+        self._loaded_once: set[str] = set()
+        self._prefills: dict[str, _Prefill] = {}
+        self._saved: set[str] = set()
+        # Worker side.
+        self._layers: dict[str, torch.Tensor] = {}
+        self._layouts: dict[str, PagedLayout] = {}
+        self._gathered: dict[str, dict[str, torch.Tensor]] = {}
+        self._slots: dict[str, torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvredis")
+        self._saves_in_flight: set[Future[None]] = set()
+        self._lock = threading.Lock()
+        self._received: set[str] = set()
+        self._failed: dict[str, set[int]] = {}
+        self._failed_reported: set[str] = set()
+        self._error_blocks: set[int] = set()
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens loadable from Redis beyond the local hit: ``len(prompt) - 1`` if an entry is known."""
+        if not self._consumer or request.request_id in self._loaded_once:
+            return 0, False
+        tokens = request.prompt_token_ids
+        if not tokens:
+            return 0, False
+        loadable = len(tokens) - 1
+        if loadable <= num_computed_tokens:
+            return 0, False
+        if not _announced(request.kv_transfer_params):
+            try:
+                if not self.buffer.contains(tokens):
+                    return 0, False
+            except KVRedisError as exc:
+                self.metrics.miss("error")
+                logger.warning("request %s: cannot look up its KV in Redis, computing it: %s",
+                               request.request_id, exc)
+                return 0, False
+        return loadable - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of the external tokens into the blocks just allocated."""
+        if num_external_tokens <= 0 or request.request_id in self._loaded_once:
+            return
+        tokens = list(request.prompt_token_ids)
+        stop = len(tokens) - 1
+        self._pending_loads[request.request_id] = TransferSpec(
+            request.request_id, tokens, list(blocks.get_block_ids()[0]), stop - num_external_tokens, stop
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """This step's loads (planned at allocation) and saves (prompts whose prefill completes now)."""
+        meta = KVRedisConnectorMetadata(loads=list(self._pending_loads.values()))
+        self._loading.update(self._pending_loads)
+        self._loaded_once.update(self._pending_loads)
+        self._pending_loads.clear()
+        if self._producer:
+            meta.saves = self._completed_prefills(scheduler_output)
+        return meta
+
+    def _completed_prefills(self, scheduler_output: Any) -> list[TransferSpec]:
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.prompt_token_ids and new.req_id not in self._loaded_once:
+                self._prefills[new.req_id] = _Prefill(
+                    list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            prefill = self._prefills.get(req_id)
+            if prefill is None:
+                continue
+            new_blocks = cached.new_block_ids[index]
+            if req_id in getattr(cached, "resumed_req_ids", ()):
+                prefill.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                prefill.block_ids.extend(new_blocks[0])
+            prefill.computed = int(cached.num_computed_tokens[index])
+        saves = []
+        for req_id, prefill in list(self._prefills.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if scheduled and prefill.computed + scheduled >= len(prefill.token_ids):
+                saves.append(TransferSpec(req_id, prefill.token_ids, prefill.block_ids, 0,
+                                          len(prefill.token_ids)))
+                self._saved.add(req_id)
+                del self._prefills[req_id]
+        return saves
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Forget loads the workers report finished."""
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._loading.discard(req_id)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks of a request whose load is still writing; announce a saved prompt."""
+        req_id = request.request_id
+        self._prefills.pop(req_id, None)
+        self._loaded_once.discard(req_id)
+        self._pending_loads.pop(req_id, None)
+        params = None
+        if req_id in self._saved:
+            self._saved.discard(req_id)
+            params = {TRANSFER_PARAM: {"prompt_tokens": len(request.prompt_token_ids or ())}}
+        return req_id in self._loading, params
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Remember each layer's paged tensor and its layout (the order is the layer order)."""
+        self._layers = dict(kv_caches)
+        self._layouts = {name: PagedLayout.of(tensor) for name, tensor in kv_caches.items()}
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start this step's loads on background threads; they finish through ``get_finished``."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVRedisConnectorMetadata)
+        for spec in meta.loads:
+            self._pool.submit(self._load, spec)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads are asynchronous and finish before the request is scheduled."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Copy the saved requests' rows out of this layer while the next layer computes."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVRedisConnectorMetadata) or not meta.saves:
+            return
+        layout = self._layouts.get(layer_name) or PagedLayout.of(kv_layer)
+        for spec in meta.saves:
+            slots = self._slots.get(spec.req_id)
+            if slots is None:
+                slots = token_slots(spec.block_ids, self._block_size, spec.start, spec.stop)
+                slots = self._slots[spec.req_id] = slots.to(kv_layer.device)
+            rows = layout.gather(kv_layer, slots)
+            self._gathered.setdefault(spec.req_id, {})[layer_name] = rows.to("cpu")
+
+    def wait_for_save(self) -> None:
+        """Hand each saved prompt to a writer thread; the step does not wait for Redis."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVRedisConnectorMetadata):
+            return
+        for spec in meta.saves:
+            layers = self._gathered.pop(spec.req_id, {})
+            self._slots.pop(spec.req_id, None)
+            names = list(self._layers) or list(layers)
+            if not layers or any(name not in layers for name in names):
+                logger.warning("request %s: KV of %d of %d layers captured, not saving it",
+                               spec.req_id, len(layers), len(names))
+                continue
+            rows = torch.stack([layers[name] for name in names])
+            future = self._pool.submit(self._save, spec, rows)
+            with self._lock:
+                self._saves_in_flight.add(future)
+            future.add_done_callback(self._forget_save)
+
+    def _forget_save(self, future: Future[None]) -> None:
+        with self._lock:
+            self._saves_in_flight.discard(future)
+
+    def _save(self, spec: TransferSpec, rows: torch.Tensor) -> None:
+        try:
+            self.buffer.insert(torch.tensor(spec.token_ids, dtype=torch.long), None, rows, None, None)
+        except KVRedisError as exc:
+            logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
+                           len(spec.token_ids), exc)
+
+    def _load(self, spec: TransferSpec) -> None:
+        try:
+            cause = self._load_into_blocks(spec)
+        except KVRedisError as exc:
+            cause = str(exc)
+        except Exception as exc:  # a load must never take the engine down: recompute instead.
+            logger.exception("request %s: unexpected error loading KV", spec.req_id)
+            cause = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            if cause is None:
+                self._received.add(spec.req_id)
+                return
+            self._failed[spec.req_id] = blocks_of(spec.block_ids, self._block_size, spec.start, spec.stop)
+        logger.warning("request %s: KV of %d tokens not loaded from Redis (%s); vLLM recomputes them",
+                       spec.req_id, spec.stop - spec.start, cause)
+
+    def _load_into_blocks(self, spec: TransferSpec) -> str | None:
+        """Take the entry and write it into the blocks; returns why not, or ``None`` on success."""
+        entry = self.buffer.drop_select(torch.tensor(spec.token_ids, dtype=torch.long), None)
+        rows = entry[2]
+        if rows is None:
+            return f"no entry within {self.config.pop_timeout_s:g} s (missing, expired or evicted)"
+        names = list(self._layers)
+        sample = self._layers[names[0]] if names else None
+        expected = (len(names), len(spec.token_ids), *self._layouts[names[0]].row_shape) if names else None
+        if sample is None or tuple(rows.shape) != expected or rows.dtype != sample.dtype:
+            self.metrics.miss("mismatch")
+            return (f"entry holds {tuple(rows.shape)} {rows.dtype}, this engine needs {expected} "
+                    f"{None if sample is None else sample.dtype}")
+        slots = token_slots(spec.block_ids, self._block_size, spec.start, spec.stop)
+        for index, name in enumerate(names):
+            layer = self._layers[name]
+            self._layouts[name].scatter(layer, slots.to(layer.device),
+                                        rows[index, spec.start:spec.stop].to(layer.device))
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Loads finished since the last call (failed ones once their blocks were reported)."""
+        with self._lock:
+            done = self._received | self._failed_reported
+            self._received.clear()
+            self._failed_reported.clear()
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed; their requests finish in the next ``get_finished``."""
+        with self._lock:
+            blocks: set[int] = set()
+            for req_id, failed in self._failed.items():
+                blocks |= failed
+                self._failed_reported.add(req_id)
+            self._failed.clear()
+        return blocks
+
+    def shutdown(self) -> None:
+        """Let saves in flight finish (bounded), then close the Redis connections."""
+        with self._lock:
+            pending = set(self._saves_in_flight)
+        if pending:
+            wait_futures(pending, timeout=_SHUTDOWN_WAIT_S)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.buffer.close()
+
+
+def _announced(params: dict[str, Any] | None) -> bool:
+    return bool(params) and isinstance(params, dict) and TRANSFER_PARAM in params
