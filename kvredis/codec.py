@@ -167,6 +167,8 @@ def encode(
         raise CodecError(f"metadata cannot be encoded: {exc}") from None
     if len(packed) > MAX_HEADER_BYTES:
         raise CodecError(f"header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
+    # Refuse here what the reader's limits would refuse, so that nothing written is unreadable.
+    _unpack_header(packed)
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(packed), zlib.crc32(packed)) + packed
     head += bytes(_aligned(len(head)) - len(head))
     return Encoded(head, payload)
@@ -190,13 +192,7 @@ def read_header(blob: bytes | bytearray | memoryview, *, max_payload_bytes: int)
     packed = view[_PREFIX.size:end]
     if zlib.crc32(packed) != crc:
         raise CodecError("corrupt blob: header checksum mismatch")
-    try:
-        raw = msgpack.unpackb(
-            packed, raw=False, strict_map_key=True, max_str_len=4096, max_bin_len=4096,
-            max_array_len=MAX_TENSORS * 4 + MAX_DIMS, max_map_len=64, max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises many unrelated types for malformed input.
-        raise CodecError(f"corrupt blob: header is not valid msgpack ({type(exc).__name__})") from None
+    raw = _unpack_header(bytes(packed))
     specs = _parse_specs(raw)
     meta = raw.get("m", {})
     if not isinstance(meta, dict):
@@ -207,9 +203,22 @@ def read_header(blob: bytes | bytearray | memoryview, *, max_payload_bytes: int)
     return Header(specs, meta, _aligned(end))
 
 
+def _unpack_header(packed: bytes) -> Any:
+    """msgpack-decode a header with size limits, so a hostile one cannot make it allocate much."""
+    try:
+        return msgpack.unpackb(
+            packed, raw=False, strict_map_key=True, max_str_len=4096, max_bin_len=4096,
+            max_array_len=MAX_TENSORS * 4 + MAX_DIMS, max_map_len=64, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many unrelated types for malformed input.
+        raise CodecError(f"corrupt blob: header is not valid msgpack ({type(exc).__name__})") from None
+
+
 def _parse_specs(raw: Any) -> tuple[TensorSpec | None, ...]:
     if not isinstance(raw, dict) or raw.get("v") != FORMAT_VERSION or not isinstance(raw.get("t"), list):
         raise CodecError("corrupt blob: header lacks version and tensor list")
+    if len(raw["t"]) > MAX_TENSORS:
+        raise CodecError(f"corrupt blob: {len(raw['t'])} tensors, at most {MAX_TENSORS} allowed")
     specs: list[TensorSpec | None] = []
     for index, item in enumerate(raw["t"]):
         if item is None:
@@ -222,9 +231,9 @@ def _parse_specs(raw: Any) -> tuple[TensorSpec | None, ...]:
         if dtype is None:
             raise CodecError(f"unsupported dtype {name!r} for tensor {index}")
         if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
-                and all(isinstance(d, int) and d >= 0 for d in shape)):
+                and all(type(d) is int and d >= 0 for d in shape)):
             raise CodecError(f"corrupt blob: tensor {index} has an invalid shape {shape!r}")
-        if not isinstance(nbytes, int) or nbytes < 0 or not (crc is None or isinstance(crc, int)):
+        if type(nbytes) is not int or nbytes < 0 or not (crc is None or isinstance(crc, int)):
             raise CodecError(f"corrupt blob: tensor {index} has an invalid length or checksum")
         numel = 1
         for dim in shape:
