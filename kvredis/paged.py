@@ -1,7 +1,11 @@
-"""Paging arithmetic: where a request's tokens live in vLLM's paged KV tensors.
+"""Paging arithmetic: which pages of vLLM's paged KV tensors hold a request's tokens.
 
-vLLM addresses a token by its *slot*, ``block_id * block_size + offset``. These helpers turn a request's
-block IDs into slots and copy token rows in and out of one layer's paged tensor, whatever its layout.
+vLLM hands connectors each layer's cache as the logical view ``[blocks, heads, block_size, C]``
+(vLLM 0.32-0.34, every backend; MLA has one head). Token position ``p`` of a request lives in block
+``block_ids[p // block_size]``. kvredis moves whole blocks ("pages"), never single tokens: inside a
+block the CPU backend stores K transposed, so only a whole page is portable, and a page is the unit
+vLLM allocates anyway. The engine may split each scheduler block into ``r`` kernel blocks (the tensor's
+dim 0 then has ``r`` times as many entries); scheduler block ``b`` is kernel blocks ``b*r .. b*r+r-1``.
 """
 
 from __future__ import annotations
@@ -11,58 +15,42 @@ from dataclasses import dataclass
 import torch
 
 
+def block_span(block_size: int, start: int, stop: int) -> range:
+    """Indices into a request's block list of the blocks holding token positions ``start..stop-1``."""
+    if stop <= start:
+        return range(0)
+    return range(start // block_size, (stop - 1) // block_size + 1)
+
+
 @dataclass(frozen=True)
 class PagedLayout:
-    """How token rows sit in one layer's paged KV tensor, read off the tensor itself.
+    """One layer's paged tensor: its kernel block size and the shape of one page, read off the tensor."""
 
-    - ``"BHNC"``: vLLM's standardized per-layer view ``[blocks, heads, block_size, C]`` (FlashAttention
-      with K and V packed in ``C`` whatever the physical order; MLA with one head);
-    - ``"2BNHD"``: the older ``[2, blocks, block_size, heads, head_size]`` (K and V split on dim 0).
-
-    A row is one token's ``[heads, C]`` (or ``[2, heads, head_size]``), so entries hold the logical
-    content and do not depend on the physical memory order.
-    """
-
-    kind: str
     kernel_block_size: int
-    row_shape: tuple[int, ...]
+    page_shape: tuple[int, ...]
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> PagedLayout:
-        """The layout of a paged layer tensor; raises ``ValueError`` for one it does not know."""
-        if tensor.dim() == 4:
-            _, heads, block_size, width = tensor.shape
-            return cls("BHNC", int(block_size), (int(heads), int(width)))
-        if tensor.dim() == 5 and tensor.shape[0] == 2:
-            _, _, block_size, heads, head_size = tensor.shape
-            return cls("2BNHD", int(block_size), (2, int(heads), int(head_size)))
-        raise ValueError(f"unsupported paged KV layout: tensor of shape {tuple(tensor.shape)}")
+        """The layout of a ``[blocks, heads, block_size, C]`` layer; ``ValueError`` for any other shape."""
+        if tensor.dim() != 4:
+            shape = tuple(tensor.shape)
+            raise ValueError(f"unsupported paged KV layout {shape}: expected [blocks, heads, block_size, C]")
+        _, heads, block_size, width = (int(d) for d in tensor.shape)
+        return cls(block_size, (heads, block_size, width))
 
-    def gather(self, layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Copy the rows at ``slots`` out of ``layer``: ``[len(slots), *row_shape]``."""
-        blocks, offsets = slots // self.kernel_block_size, slots % self.kernel_block_size
-        if self.kind == "BHNC":
-            return layer[blocks, :, offsets]
-        return layer[:, blocks, offsets].transpose(0, 1)
+    def kernel_blocks(self, block_ids: list[int], block_size: int) -> torch.Tensor:
+        """Kernel-block indices of scheduler blocks ``block_ids``, in order."""
+        if block_size % self.kernel_block_size:
+            raise ValueError(
+                f"block size {block_size} is not a multiple of the kernel's {self.kernel_block_size}")
+        ratio = block_size // self.kernel_block_size
+        blocks = torch.tensor(block_ids, dtype=torch.long).reshape(-1, 1)
+        return (blocks * ratio + torch.arange(ratio, dtype=torch.long)).reshape(-1)
 
-    def scatter(self, layer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write ``rows`` (``[len(slots), *row_shape]``) into ``layer`` at ``slots``."""
-        blocks, offsets = slots // self.kernel_block_size, slots % self.kernel_block_size
-        if self.kind == "BHNC":
-            layer[blocks, :, offsets] = rows
-        else:
-            layer[:, blocks, offsets] = rows.transpose(0, 1)
+    def gather(self, layer: torch.Tensor, kernel_blocks: torch.Tensor) -> torch.Tensor:
+        """Copy pages ``kernel_blocks`` out of ``layer``: ``[len(kernel_blocks), *page_shape]``."""
+        return layer[kernel_blocks.to(layer.device)]
 
-
-def token_slots(block_ids: list[int], block_size: int, start: int, stop: int) -> torch.Tensor:
-    """Cache slots (``block_id * block_size + offset``) of token positions ``start..stop-1``."""
-    positions = torch.arange(start, stop, dtype=torch.long)
-    blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
-    return blocks * block_size + positions % block_size
-
-
-def blocks_of(block_ids: list[int], block_size: int, start: int, stop: int) -> set[int]:
-    """The block IDs holding token positions ``start..stop-1``."""
-    if stop <= start:
-        return set()
-    return set(block_ids[start // block_size:(stop - 1) // block_size + 1])
+    def scatter(self, layer: torch.Tensor, kernel_blocks: torch.Tensor, pages: torch.Tensor) -> None:
+        """Write ``pages`` into ``layer`` at ``kernel_blocks``."""
+        layer[kernel_blocks.to(layer.device)] = pages.to(layer.device)

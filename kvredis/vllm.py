@@ -5,16 +5,16 @@
     --kv-transfer-config '{"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
                            "kv_role": "kv_producer", "kv_load_failure_policy": "recompute"}'
 
-The producer (prefill) saves every prompt it prefills: ``save_kv_layer`` copies the request's token rows
-out of each paged layer as the layer finishes, and ``wait_for_save`` hands the whole prompt to a
-background thread that writes it to Redis, so the copy to Redis overlaps the next step. The blocks are
-free to reuse as soon as the step ends (the rows were copied). ``request_finished`` then tells the proxy,
-through ``kv_transfer_params``, that the entry is on its way.
+The producer (prefill) saves every prompt it prefills: ``save_kv_layer`` copies the request's pages
+(whole blocks, see :mod:`kvredis.paged`) out of each layer as the layer finishes, and ``wait_for_save``
+hands the prompt to a background thread that writes it to Redis, so the write overlaps the next step.
+The blocks are free to reuse as soon as the step ends (the pages were copied). ``request_finished`` then
+tells the proxy, through ``kv_transfer_params``, that the entry is on its way.
 
 The consumer (decode) reports ``len(prompt) - 1`` loadable tokens when the request says an entry is on
 its way, or when Redis already holds one; vLLM computes the last token itself. The load runs on a
 background thread (asynchronous, reported through ``get_finished``): it takes the entry with the
-blocking pop, bounded by ``KVREDIS_POP_TIMEOUT_S``, and writes the rows into the request's blocks. A load
+blocking pop, bounded by ``KVREDIS_POP_TIMEOUT_S``, and writes the pages into the request's blocks. A load
 that fails for any reason (missing, expired, evicted, corrupt, another model or layout, Redis down or
 slow) reports the request's blocks through ``get_block_ids_with_load_errors``, so vLLM recomputes them
 (``kv_load_failure_policy: "recompute"``). Only this module imports vLLM.
@@ -42,7 +42,7 @@ from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError, KVRedisError
 from kvredis.keys import CacheIdentity
-from kvredis.paged import PagedLayout, blocks_of, token_slots
+from kvredis.paged import PagedLayout, block_span
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,7 +75,7 @@ def check_vllm_version(version: str) -> None:
 
 @dataclass
 class TransferSpec:
-    """One request's tokens to move this step: positions ``start..stop-1`` of ``token_ids``."""
+    """One request's KV to move this step: the pages holding positions ``start..stop-1`` of ``token_ids``."""
 
     req_id: str
     token_ids: list[int]
@@ -109,8 +109,14 @@ def cache_identity(vllm_config: VllmConfig, tp_rank: int) -> CacheIdentity:
         kv_dtype = str(model_config.dtype).removeprefix("torch.")
     use_mla = bool(getattr(model_config, "use_mla", False))
     heads = model_config.get_num_kv_heads(parallel)
-    layout = f"{'mla' if use_mla else 'mha'}:h{heads}:d{model_config.get_head_size()}"
-    layout += f":pp{parallel.pipeline_parallel_size}"
+    head_size = model_config.get_head_size()
+    # A page's bytes depend on the platform, the kernel's packing (the CPU ISA) and the physical order;
+    # engines that differ in any of these must never share pages.
+    layout = ":".join([
+        _platform(), _cpu_isa(kv_dtype, cache_config.block_size, head_size),
+        str(getattr(cache_config, "kv_cache_layout", None) or "default"),
+        "mla" if use_mla else "mha", f"h{heads}", f"d{head_size}", f"pp{parallel.pipeline_parallel_size}",
+    ])
     return CacheIdentity(
         model=str(model_config.model),
         kv_dtype=kv_dtype,
@@ -119,6 +125,26 @@ def cache_identity(vllm_config: VllmConfig, tp_rank: int) -> CacheIdentity:
         tp_rank=tp_rank,
         tp_size=int(parallel.tensor_parallel_size),
     )
+
+
+def _platform() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type)
+    except Exception:  # platform detection failing must not stop the engine; the page shape check still runs
+        return "unknown"
+
+
+def _cpu_isa(kv_dtype: str, block_size: int, head_size: int) -> str:
+    if _platform() != "cpu":
+        return "-"
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(getattr(torch, kv_dtype, torch.float32), block_size, head_size))
+    except Exception:  # a private helper that may move between versions
+        return "cpu"
 
 
 def _worker_tp_rank() -> int:
@@ -174,7 +200,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         """Tokens loadable from Redis beyond the local hit: ``len(prompt) - 1`` if an entry is known."""
         if not self._consumer or request.request_id in self._loaded_once:
             return 0, False
-        tokens = request.prompt_token_ids
+        tokens = _token_list(request.prompt_token_ids)
         if not tokens:
             return 0, False
         loadable = len(tokens) - 1
@@ -195,7 +221,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         """Plan the load of the external tokens into the blocks just allocated."""
         if num_external_tokens <= 0 or request.request_id in self._loaded_once:
             return
-        tokens = list(request.prompt_token_ids)
+        tokens = _token_list(request.prompt_token_ids)
         stop = len(tokens) - 1
         self._pending_loads[request.request_id] = TransferSpec(
             request.request_id, tokens, list(blocks.get_block_ids()[0]), stop - num_external_tokens, stop
@@ -215,7 +241,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             if new.prompt_token_ids and new.req_id not in self._loaded_once:
                 self._prefills[new.req_id] = _Prefill(
-                    list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens))
+                    _token_list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             prefill = self._prefills.get(req_id)
@@ -274,18 +300,17 @@ class KVRedisConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Copy the saved requests' rows out of this layer while the next layer computes."""
+        """Copy the pages of prompts completing this step out of the layer, while the next layer computes."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVRedisConnectorMetadata) or not meta.saves:
             return
         layout = self._layouts.get(layer_name) or PagedLayout.of(kv_layer)
         for spec in meta.saves:
-            slots = self._slots.get(spec.req_id)
-            if slots is None:
-                slots = token_slots(spec.block_ids, self._block_size, spec.start, spec.stop)
-                slots = self._slots[spec.req_id] = slots.to(kv_layer.device)
-            rows = layout.gather(kv_layer, slots)
-            self._gathered.setdefault(spec.req_id, {})[layer_name] = rows.to("cpu")
+            pages = layout.kernel_blocks(self._prompt_blocks(spec), self._block_size)
+            self._gathered.setdefault(spec.req_id, {})[layer_name] = layout.gather(kv_layer, pages).to("cpu")
+
+    def _prompt_blocks(self, spec: TransferSpec) -> list[int]:
+        return [spec.block_ids[i] for i in block_span(self._block_size, spec.start, spec.stop)]
 
     def wait_for_save(self) -> None:
         """Hand each saved prompt to a writer thread; the step does not wait for Redis."""
@@ -294,14 +319,13 @@ class KVRedisConnector(KVConnectorBase_V1):
             return
         for spec in meta.saves:
             layers = self._gathered.pop(spec.req_id, {})
-            self._slots.pop(spec.req_id, None)
             names = list(self._layers) or list(layers)
             if not layers or any(name not in layers for name in names):
                 logger.warning("request %s: KV of %d of %d layers captured, not saving it",
                                spec.req_id, len(layers), len(names))
                 continue
-            rows = torch.stack([layers[name] for name in names])
-            future = self._pool.submit(self._save, spec, rows)
+            pages = torch.stack([layers[name] for name in names])
+            future = self._pool.submit(self._save, spec, pages)
             with self._lock:
                 self._saves_in_flight.add(future)
             future.add_done_callback(self._forget_save)
@@ -310,9 +334,9 @@ class KVRedisConnector(KVConnectorBase_V1):
         with self._lock:
             self._saves_in_flight.discard(future)
 
-    def _save(self, spec: TransferSpec, rows: torch.Tensor) -> None:
+    def _save(self, spec: TransferSpec, pages: torch.Tensor) -> None:
         try:
-            self.buffer.insert(torch.tensor(spec.token_ids, dtype=torch.long), None, rows, None, None)
+            self.buffer.insert(torch.tensor(spec.token_ids, dtype=torch.long), None, pages, None, None)
         except KVRedisError as exc:
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
                            len(spec.token_ids), exc)
@@ -329,28 +353,33 @@ class KVRedisConnector(KVConnectorBase_V1):
             if cause is None:
                 self._received.add(spec.req_id)
                 return
-            self._failed[spec.req_id] = blocks_of(spec.block_ids, self._block_size, spec.start, spec.stop)
+            self._failed[spec.req_id] = set(self._prompt_blocks(spec))
         logger.warning("request %s: KV of %d tokens not loaded from Redis (%s); vLLM recomputes them",
                        spec.req_id, spec.stop - spec.start, cause)
 
     def _load_into_blocks(self, spec: TransferSpec) -> str | None:
-        """Take the entry and write it into the blocks; returns why not, or ``None`` on success."""
+        """Take the entry and write its pages into the blocks; returns why not, or ``None`` on success."""
         entry = self.buffer.drop_select(torch.tensor(spec.token_ids, dtype=torch.long), None)
-        rows = entry[2]
-        if rows is None:
+        stored = entry[2]
+        if stored is None:
             return f"no entry within {self.config.pop_timeout_s:g} s (missing, expired or evicted)"
+        if not self._layers:
+            return "no KV caches registered"
         names = list(self._layers)
-        sample = self._layers[names[0]] if names else None
-        expected = (len(names), len(spec.token_ids), *self._layouts[names[0]].row_shape) if names else None
-        if sample is None or tuple(rows.shape) != expected or rows.dtype != sample.dtype:
+        layout = self._layouts[names[0]]
+        sample = self._layers[names[0]]
+        whole = layout.kernel_blocks(list(range(len(block_span(self._block_size, 0, len(spec.token_ids))))),
+                                     self._block_size)
+        expected = (len(names), len(whole), *layout.page_shape)
+        if tuple(stored.shape) != expected or stored.dtype != sample.dtype:
             self.metrics.miss("mismatch")
-            return (f"entry holds {tuple(rows.shape)} {rows.dtype}, this engine needs {expected} "
-                    f"{None if sample is None else sample.dtype}")
-        slots = token_slots(spec.block_ids, self._block_size, spec.start, spec.stop)
+            found = f"{tuple(stored.shape)} {stored.dtype}"
+            return f"entry holds {found}, this engine needs {expected} {sample.dtype}"
+        span = block_span(self._block_size, spec.start, spec.stop)
+        targets = layout.kernel_blocks(self._prompt_blocks(spec), self._block_size)
+        sources = layout.kernel_blocks(list(span), self._block_size)
         for index, name in enumerate(names):
-            layer = self._layers[name]
-            self._layouts[name].scatter(layer, slots.to(layer.device),
-                                        rows[index, spec.start:spec.stop].to(layer.device))
+            self._layouts[name].scatter(self._layers[name], targets, stored[index, sources])
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -379,6 +408,11 @@ class KVRedisConnector(KVConnectorBase_V1):
             wait_futures(pending, timeout=_SHUTDOWN_WAIT_S)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.buffer.close()
+
+
+def _token_list(tokens: Any) -> list[int]:
+    """Prompt token IDs as a list of ints (vLLM 0.34 hands a ``TokenBuffer`` array)."""
+    return [] if tokens is None else [int(t) for t in tokens]
 
 
 def _announced(params: dict[str, Any] | None) -> bool:
