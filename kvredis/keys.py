@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -106,7 +107,7 @@ class KeySpace:
     namespace: str
     identity: CacheIdentity = CacheIdentity()
 
-    @property
+    @cached_property
     def prefix(self) -> str:
         """The prefix of every key this key space writes."""
         return f"{self.namespace}:{self.identity.digest()}"

@@ -1,0 +1,866 @@
+#!/usr/bin/env python
+"""Benchmark moving one vLLM KV-cache entry through Redis: kvredis against the plain ways of doing it.
+
+For each size, a bf16 entry shaped like a real one (key and value tensors ``[layers, tokens, kv_heads,
+head_dim]`` of a Llama-3-8B-sized model: 32 layers, 8 KV heads, head dim 128, i.e. 128 KiB per token;
+entries under one token keep 1 token and fewer layers) goes through five paths against the same Redis:
+
+``kvredis``  ``RedisLookupBuffer.insert`` then ``drop_select`` (fresh namespace per run), bit-identical.
+``naive``    ``.tobytes()`` of key and value in a msgpack ``{dtype, shape, data}`` dict, one SET and one GET
+             with a default ``redis.Redis`` (hiredis), msgpack-unpack and ``torch.frombuffer`` back.
+``raw-A``    one SET + GET of the same bytes as one key, default client (reference, no tensor rebuilt).
+``raw-B``    the same bytes in 1 MiB pieces, SETs pipelined in one batch, GETs 4 at a time (~4 MiB in
+             flight), Python command packer with memoryview values, replies copied into one output
+             tensor: the best plain redis-py set-up.
+``memcpy``   ``copy_`` into an already-touched preallocated buffer, one thread (the floor).
+
+Each path's writer and reader run in their own fresh process (multiprocessing ``forkserver``, preloaded
+with torch and redis so that starting one is cheap). Extra peak memory of a phase is
+``ru_maxrss`` after it minus ``ru_maxrss`` right before it, in the same process, with the input tensor
+already allocated and touched; before each phase the process's high-water mark is reset to its current
+RSS (``/proc/self/clear_refs``, Linux), so an earlier peak cannot hide the phase's. The reader's output
+tensor counts as extra. Times are the median over ``--repeat`` runs (best also shown); round-trip MB/s is
+key+value bytes (10^6 B/s) over write + read time.
+
+    python scripts/bench_transfer.py                       # 64KiB,1MiB,16MiB,128MiB
+    python scripts/bench_transfer.py --large --json out.json
+    python scripts/bench_transfer.py --sweep-only          # piece size x in-flight bytes at 128 MiB
+    python scripts/bench_transfer.py --phases              # where kvredis spends its time, per phase
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import multiprocessing as mp
+import os
+import platform
+import re
+import resource
+import statistics
+import sys
+import time
+import traceback
+import uuid
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+LAYERS, KV_HEADS, HEAD_DIM, ELEMENT = 32, 8, 128, 2  # Llama-3-8B-sized KV cache, bf16
+TOKEN_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * ELEMENT  # key + value bytes per token: 128 KiB
+LAYER_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * ELEMENT  # key + value bytes per token per layer: 4 KiB
+PATHS = ("kvredis", "naive", "raw-A", "raw-B", "memcpy")
+DEFAULT_SIZES = "64KiB,1MiB,16MiB,128MiB"
+REDIS_MAX_BULK = 512 << 20  # proto-max-bulk-len's default: one value cannot be larger
+RAW_B_PIECE = 1 << 20
+RAW_B_INFLIGHT = 4 << 20
+SWEEP_CHUNKS = ("256KiB", "1MiB", "4MiB")
+SWEEP_INFLIGHT = ("1MiB", "4MiB", "16MiB")
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
+_PRELOAD = ["torch", "numpy", "msgpack", "redis", "hiredis", "kvredis.buffer", "kvredis.client",
+            "kvredis.codec"]
+
+
+# -- sizes and tensors ---------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 64KiB, 1MiB, 1GiB)")
+    return int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[match.group(2).upper()]
+
+
+def fmt_size(n: int) -> str:
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
+def kv_shape(nbytes: int) -> tuple[int, int]:
+    """(layers, tokens) of a key+value pair of ``nbytes`` (32 layers when at least one token fits)."""
+    if nbytes >= TOKEN_BYTES:
+        if nbytes % TOKEN_BYTES:
+            raise SystemExit(f"{fmt_size(nbytes)} is not a whole number of {TOKEN_BYTES}-byte tokens")
+        return LAYERS, nbytes // TOKEN_BYTES
+    if nbytes % LAYER_TOKEN_BYTES or nbytes < LAYER_TOKEN_BYTES:
+        raise SystemExit(f"{fmt_size(nbytes)} is not a whole number of {LAYER_TOKEN_BYTES}-byte layers")
+    return nbytes // LAYER_TOKEN_BYTES, 1
+
+
+def make_kv(nbytes: int, seed: int) -> Any:
+    """A stacked ``[2, layers, tokens, heads, dim]`` bf16 tensor of normal values, filled in place."""
+    import torch
+
+    layers, tokens = kv_shape(nbytes)
+    kv = torch.empty(2, layers, tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    kv.normal_(generator=torch.Generator().manual_seed(seed))
+    return kv
+
+
+def flat_bytes(tensor: Any) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor."""
+    import torch
+
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def bit_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return (a is not None and a.shape == b.shape and a.dtype == b.dtype
+            and bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))))
+
+
+# -- peak memory -------------------------------------------------------------------------------------
+
+
+def _reset_peak() -> bool:
+    """Reset this process's RSS high-water mark (hence ru_maxrss) to its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+@contextmanager
+def measured(record: dict[str, Any], wake: Callable[[], None]) -> Iterator[None]:
+    """Time the block and record its extra peak memory (ru_maxrss after minus right before).
+
+    ``wake`` (a PING) runs right before the clock starts: an idle core here takes ~0.4 ms to wake, which
+    would otherwise land on whichever command comes first after the gc pass.
+    """
+    gc.collect()
+    record["peak_reset"] = _reset_peak()
+    before = _maxrss()
+    record["rss_before"] = _rss()
+    wake()
+    start = time.perf_counter()
+    yield
+    record["seconds"] = time.perf_counter() - start
+    record["extra_bytes"] = max(0, _maxrss() - before)
+
+
+# -- the paths ---------------------------------------------------------------------------------------
+
+
+class Path:
+    """One way of moving the entry: ``run`` is the timed phase; the rest is set-up and clean-up."""
+
+    warm_up = True  # whether a 4 KiB round trip through the same clients comes before measuring
+
+    def __init__(self, role: str, kv: Any, url: str, env: dict[str, str]) -> None:
+        self.role, self.kv, self.url, self.env = role, kv, url, env
+
+    def prepare(self, tag: str) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def run(self, tag: str) -> Any: ...
+
+    def verify(self, result: Any) -> bool:
+        return True
+
+    def finish(self, tag: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class KVRedisPath(Path):
+    """One long-lived buffer per process, as in a vLLM worker, in a namespace fresh for this run."""
+
+    def prepare(self, tag: str) -> None:
+        import torch
+
+        from kvredis.buffer import RedisLookupBuffer
+        from kvredis.config import KVRedisConfig
+
+        if not hasattr(self, "buffer"):
+            namespace = tag.rsplit("-", 1)[0]  # the tag without its round-trip number
+            config = KVRedisConfig.from_env(overrides={"url": self.url, "namespace": namespace})
+            self.buffer = RedisLookupBuffer(config)
+        self.tokens = torch.arange(kv_shape(self.kv.numel() * ELEMENT)[1], dtype=torch.int64) + 1000
+
+    def wake(self) -> None:
+        self.buffer.store.redis.ping()  # opens both connections outside the timed phase
+        self.buffer.store._popper.ping()
+
+    def run(self, tag: str) -> Any:
+        if self.role == "write":
+            return self.buffer.insert(self.tokens, None, self.kv[0], self.kv[1], None)
+        return self.buffer.drop_select(self.tokens, None)
+
+    def verify(self, result: Any) -> bool:
+        if self.role == "write":
+            return True
+        return bit_equal(result[2], self.kv[0]) and bit_equal(result[3], self.kv[1])
+
+    def close(self) -> None:
+        if hasattr(self, "buffer"):
+            self.buffer.close()
+
+
+class NaivePath(Path):
+    def prepare(self, tag: str) -> None:
+        import redis
+
+        if not hasattr(self, "client"):
+            self.client = redis.Redis.from_url(self.url)
+
+    def wake(self) -> None:
+        self.client.ping()
+
+    def run(self, tag: str) -> Any:
+        import msgpack
+        import torch
+
+        if self.role == "write":
+            blob = msgpack.packb({
+                name: {"dtype": "bfloat16", "shape": list(t.shape),
+                       "data": t.view(torch.uint8).numpy().tobytes()}
+                for name, t in (("key", self.kv[0]), ("value", self.kv[1]))
+            })
+            self.client.set(tag, blob)
+            return None
+        blob = self.client.get(tag)
+        entry = msgpack.unpackb(blob)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer over read-only bytes
+            return [torch.frombuffer(entry[n]["data"], dtype=torch.bfloat16).reshape(entry[n]["shape"])
+                    for n in ("key", "value")]
+
+    def verify(self, result: Any) -> bool:
+        return self.role == "write" or (bit_equal(result[0], self.kv[0]) and bit_equal(result[1], self.kv[1]))
+
+    def finish(self, tag: str) -> None:
+        if self.role == "read":
+            self.client.delete(tag)
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+
+
+class RawAPath(NaivePath):
+    def run(self, tag: str) -> Any:
+        if self.role == "write":
+            self.client.set(tag, flat_bytes(self.kv))
+            return None
+        return self.client.get(tag)
+
+    def verify(self, result: Any) -> bool:
+        import numpy as np
+
+        return self.role == "write" or np.array_equal(np.frombuffer(result, dtype=np.uint8),
+                                                      np.asarray(flat_bytes(self.kv)))
+
+
+class RawBPath(Path):
+    def wake(self) -> None:
+        self.client.ping()
+
+    def prepare(self, tag: str) -> None:
+        import redis
+        from redis.connection import Encoder, PythonRespSerializer
+
+        if not hasattr(self, "client"):
+            packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+            self.pool = redis.ConnectionPool.from_url(self.url, command_packer=packer)
+            self.client = redis.Redis(connection_pool=self.pool)
+        total = self.kv.numel() * ELEMENT
+        self.keys = [f"{tag}:{i}" for i in range(-(-total // RAW_B_PIECE))]
+
+    def run(self, tag: str) -> Any:
+        import torch
+
+        data = flat_bytes(self.kv)
+        if self.role == "write":
+            pipe = self.client.pipeline(transaction=False)
+            for i, key in enumerate(self.keys):
+                pipe.set(key, data[i * RAW_B_PIECE:(i + 1) * RAW_B_PIECE])
+            pipe.execute()
+            return None
+        out = torch.empty(data.nbytes, dtype=torch.uint8)
+        view = memoryview(out.numpy()).cast("B")
+        per_batch = max(1, RAW_B_INFLIGHT // RAW_B_PIECE)
+        position = 0
+        for start in range(0, len(self.keys), per_batch):
+            pipe = self.client.pipeline(transaction=False)
+            for key in self.keys[start:start + per_batch]:
+                pipe.get(key)
+            for value in pipe.execute():
+                view[position:position + len(value)] = value
+                position += len(value)
+        return out.view(torch.bfloat16).reshape(self.kv.shape)
+
+    def verify(self, result: Any) -> bool:
+        return self.role == "write" or bit_equal(result, self.kv)
+
+    def finish(self, tag: str) -> None:
+        if self.role == "read":
+            self.client.delete(*self.keys)
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+            self.pool.disconnect()
+
+
+class MemcpyPath(Path):
+    warm_up = False
+
+    def __init__(self, *args: Any) -> None:
+        import torch
+
+        super().__init__(*args)
+        torch.set_num_threads(1)
+        self.out = torch.empty_like(self.kv)
+        self.out.view(torch.uint8).fill_(0)  # touch every page before the phase
+
+    def run(self, tag: str) -> Any:
+        return self.out.copy_(self.kv)
+
+    def verify(self, result: Any) -> bool:
+        return bit_equal(result, self.kv)
+
+
+PATH_CLASSES: dict[str, type[Path]] = {
+    "kvredis": KVRedisPath, "naive": NaivePath, "raw-A": RawAPath, "raw-B": RawBPath, "memcpy": MemcpyPath,
+}
+
+
+def feasible(path: str, nbytes: int) -> str | None:
+    """Why ``path`` cannot move ``nbytes`` (``None`` if it can)."""
+    if path in ("naive", "raw-A") and nbytes + 1024 > REDIS_MAX_BULK:
+        return "one value over proto-max-bulk-len (512 MB)"
+    return None
+
+
+# -- workers -----------------------------------------------------------------------------------------
+
+
+def worker_main(conn: Any, role: str, path: str, nbytes: int, seed: int, url: str,
+                env: dict[str, str]) -> None:
+    """A fresh process playing one role of one path; each ``run`` request is one measured phase."""
+    try:
+        os.environ.update(env)
+        kv = make_kv(nbytes, seed)
+        impl = PATH_CLASSES[path](role, kv, url, env)
+        # Warm-up round trips move a 4 KiB entry through the same clients: they load lazily imported
+        # code and open connections without leaving payload-sized free memory behind that the first
+        # measured phase could reuse.
+        tiny = make_kv(LAYER_TOKEN_BYTES, seed)
+        conn.send(("ready", None))
+        while True:
+            command, tag = conn.recv()
+            if command == "stop":
+                break
+            if command == "warmup":
+                if impl.warm_up:
+                    impl.kv = tiny
+                    impl.prepare(tag)
+                    impl.wake()
+                    if not impl.verify(impl.run(tag)):
+                        raise RuntimeError("warm-up round trip returned different bytes")
+                    impl.finish(tag)
+                    impl.kv = kv
+                conn.send(("done", None))
+                continue
+            impl.prepare(tag)
+            record: dict[str, Any] = {}
+            with measured(record, impl.wake):
+                result = impl.run(tag)
+            record["verified"] = bool(impl.verify(result))
+            del result
+            impl.finish(tag)
+            conn.send(("done", record))
+        impl.close()
+        conn.send(("stopped", None))
+    except BaseException:  # report anything to the parent, which raises it
+        conn.send(("error", traceback.format_exc()))
+
+
+class Worker:
+    def __init__(self, ctx: Any, role: str, path: str, nbytes: int, seed: int, url: str,
+                 env: dict[str, str]) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, args=(child, role, path, nbytes, seed, url, env),
+                                   daemon=True)
+        self.process.start()
+        child.close()
+        self.what = f"{path} {role}er"
+
+    def _reply(self) -> Any:
+        kind, payload = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"{self.what} failed:\n{payload}")
+        return payload
+
+    def ready(self) -> None:
+        self._reply()
+
+    def run(self, tag: str, command: str = "run") -> dict[str, Any]:
+        self.conn.send((command, tag))
+        return self._reply()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop", None))
+            self._reply()
+        finally:
+            self.process.join(timeout=30)
+
+
+def measure(ctx: Any, variants: dict[str, tuple[str, dict[str, str]]], nbytes: int, repeat: int, url: str,
+            prefix: str, tick: Callable[[], None] = lambda: None) -> dict[str, dict[str, Any]]:
+    """``repeat`` write+read round trips of each variant (name: (path, env)) at one size.
+
+    Each variant's writer and reader are fresh processes. Round trips are interleaved (rep 1 of every
+    variant, then rep 2...) so that load from elsewhere on the machine spreads over all of them.
+    """
+    workers: dict[str, tuple[Worker, Worker]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    try:
+        for name, (path, env) in variants.items():
+            workers[name] = (Worker(ctx, "write", path, nbytes, 1234, url, env),
+                             Worker(ctx, "read", path, nbytes, 1234, url, env))
+        for name, (writer, reader) in workers.items():
+            writer.ready()
+            reader.ready()
+            for rep in range(2):
+                tag = f"{prefix}-{_tagged(name)}-{fmt_size(nbytes)}-warmup{rep}"
+                writer.run(tag, "warmup")
+                reader.run(tag, "warmup")
+        names = list(variants)
+        for rep in range(repeat):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                writer, reader = workers[name]
+                tag = f"{prefix}-{_tagged(name)}-{fmt_size(nbytes)}-{rep}"
+                runs[name].append({"write": writer.run(tag), "read": reader.run(tag)})
+                tick()
+    finally:
+        for pair in workers.values():
+            for worker in pair:
+                worker.stop()
+    return {name: summarize(runs[name], nbytes) for name in variants}
+
+
+def _tagged(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "", name)
+
+
+def summarize(runs: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
+    writes = [r["write"]["seconds"] for r in runs]
+    reads = [r["read"]["seconds"] for r in runs]
+    totals = [w + r for w, r in zip(writes, reads, strict=True)]
+    return {
+        "bytes": nbytes,
+        "runs": runs,
+        "write_s": statistics.median(writes),
+        "read_s": statistics.median(reads),
+        "total_s": statistics.median(totals),
+        "best_total_s": min(totals),
+        "mbps": nbytes / statistics.median(totals) / 1e6,
+        "best_mbps": nbytes / min(totals) / 1e6,
+        "writer_extra": max(r["write"]["extra_bytes"] for r in runs) / nbytes,
+        "reader_extra": max(r["read"]["extra_bytes"] for r in runs) / nbytes,
+        "verified": all(r["read"]["verified"] and r["write"]["verified"] for r in runs),
+        "peak_reset": all(r["read"]["peak_reset"] and r["write"]["peak_reset"] for r in runs),
+    }
+
+
+# -- phase profile of kvredis ------------------------------------------------------------------------
+
+
+class PhaseTimer:
+    """Inclusive times of nested, named calls (``insert/put_pieces/execute``...), summed per name."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.order: dict[str, None] = {}
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self.stack.append(name)
+            key = "/".join(self.stack)
+            self.order.setdefault(key, None)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[key] += time.perf_counter() - start
+                self.calls[key] += 1
+                self.stack.pop()
+        return wrapped
+
+
+def phases_main(conn: Any, nbytes: int, url: str, prefix: str, repeat: int) -> None:
+    """Insert then drop_select in one process with kvredis's internals wrapped in timers."""
+    try:
+        import redis.client
+        import torch
+
+        from kvredis import buffer, client, codec
+        from kvredis.config import KVRedisConfig
+
+        timer = PhaseTimer()
+        patches = [
+            (buffer.RedisLookupBuffer, "insert"), (buffer.RedisLookupBuffer, "drop_select"),
+            (buffer, "_pieces"), (buffer, "_same"), (buffer.RedisLookupBuffer, "_take_pieces"),
+            (codec, "encode"), (codec, "read_header"), (codec, "decode_payload"),
+            (client.RedisStore, "put_pieces"), (client.RedisStore, "push_record"),
+            (client.RedisStore, "pop_record"), (client.RedisStore, "take_pieces"),
+            (redis.client.Pipeline, "execute"),
+        ]
+        for owner, name in patches:
+            setattr(owner, name, timer.wrap(name, getattr(owner, name)))
+
+        class _Zlib:  # codec calls zlib.crc32 through its module global
+            crc32 = staticmethod(timer.wrap("crc32", __import__("zlib").crc32))
+        codec.zlib = _Zlib  # type: ignore[assignment]
+        torch_empty = torch.empty
+        buffer.torch = type("T", (), {"__getattr__": lambda s, n: getattr(torch, n)})()  # type: ignore
+        buffer.torch.empty = timer.wrap("torch.empty", torch_empty)  # type: ignore[attr-defined]
+
+        kv = make_kv(nbytes, 1234)
+        tokens = torch.arange(kv_shape(nbytes)[1], dtype=torch.int64) + 1000
+        tiny = make_kv(LAYER_TOKEN_BYTES, 1)
+        results = []
+        for rep in range(-1, repeat):  # rep -1: a 4 KiB warm-up, not recorded
+            entry_kv, entry_tokens = (tiny, tokens[:1]) if rep < 0 else (kv, tokens)
+            timer.total.clear()
+            timer.calls.clear()
+            if rep == 0:
+                timer.order.clear()  # list phases in the order of a measured (chunked) round trip
+            config = KVRedisConfig.from_env(overrides={"url": url, "namespace": f"{prefix}-ph{rep + 1}"})
+            with buffer.RedisLookupBuffer(config) as buf:
+                buf.store.redis.ping()
+                buf.store._popper.ping()
+                buf.insert(entry_tokens, None, entry_kv[0], entry_kv[1], None)
+                entry = buf.drop_select(entry_tokens, None)
+            assert bit_equal(entry[2], entry_kv[0]) and bit_equal(entry[3], entry_kv[1])
+            del entry
+            if rep >= 0:
+                results.append({k: (timer.total[k], timer.calls[k]) for k in timer.order})
+        conn.send(("done", results))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def run_phases(ctx: Any, nbytes: int, url: str, prefix: str, repeat: int) -> list[tuple[str, float, int]]:
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=phases_main, args=(child, nbytes, url, prefix, repeat), daemon=True)
+    process.start()
+    kind, payload = parent.recv()
+    process.join(timeout=30)
+    if kind == "error":
+        raise RuntimeError(payload)
+    keys = list(payload[0])
+    return [(k, statistics.median(r[k][0] for r in payload), payload[0][k][1]) for k in keys]
+
+
+# -- reporting ---------------------------------------------------------------------------------------
+
+
+def machine_info(url: str) -> dict[str, Any]:
+    import hiredis
+    import msgpack
+    import redis
+    import torch
+
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "redis_py": redis.__version__,
+        "hiredis": getattr(hiredis, "__version__", "?"),
+        "msgpack": ".".join(map(str, msgpack.version)),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        with open("/proc/cpuinfo") as handle:
+            models = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+        info["cpu_model"] = models[0] if models else "?"
+        with open("/proc/meminfo") as handle:
+            info["mem_total_gib"] = round(int(handle.readline().split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    client = redis.Redis.from_url(url)
+    server = client.info("server")
+    info["redis_version"] = server.get("redis_version")
+    info["redis_config"] = {k: v for k, v in client.config_get("proto-max-bulk-len").items()}
+    client.close()
+    return info
+
+
+def print_table(results: dict[int, dict[str, Any]], out: Callable[[str], None]) -> None:
+    head = (f"{'size':>7} {'path':<8} {'write ms':>9} {'read ms':>9} {'RT MB/s':>8} {'best':>7} "
+            f"{'writer mem':>10} {'reader mem':>10}  ok")
+    out(head)
+    out("-" * len(head))
+    for nbytes, by_path in results.items():
+        for i, path in enumerate(PATHS):
+            if path not in by_path:
+                continue
+            r = by_path[path]
+            label = fmt_size(nbytes) if i == 0 or PATHS[0] not in by_path else ""
+            if "skipped" in r:
+                out(f"{label:>7} {path:<8} {'n/a: ' + r['skipped']}")
+                continue
+            out(f"{label:>7} {path:<8} {r['write_s'] * 1e3:9.2f} {r['read_s'] * 1e3:9.2f} {r['mbps']:8.0f} "
+                f"{r['best_mbps']:7.0f} {r['writer_extra']:9.2f}x {r['reader_extra']:9.2f}x  "
+                f"{'yes' if r['verified'] else 'NO'}")
+        kv = by_path.get("kvredis")
+        if kv and "skipped" not in kv:
+            parts = []
+            for other in ("naive", "raw-A", "raw-B"):
+                o = by_path.get(other)
+                if o and "skipped" not in o:
+                    parts.append(f"kvredis/{other} {o['total_s'] / kv['total_s']:.2f}x "
+                                 f"(best {o['best_total_s'] / kv['best_total_s']:.2f}x)")
+            if parts:
+                out(f"{'':>7} ratios   " + ", ".join(parts))
+        out("")
+
+
+def check_targets(results: dict[int, dict[str, Any]], out: Callable[[str], None]) -> bool:
+    """Print PASS/FAIL lines for the targets; returns whether every (non-stretch) target passed."""
+    passed = True
+
+    def line(ok: bool, text: str, stretch: bool = False) -> None:
+        nonlocal passed
+        passed = passed and (ok or stretch)
+        out(f"{'PASS' if ok else 'FAIL'}  {text}{'  (stretch)' if stretch else ''}")
+
+    big = results.get(128 << 20, {})
+    kv = big.get("kvredis")
+    if kv and "skipped" not in kv:
+        for other, need, stretch in (("naive", 5.0, False), ("naive", 8.0, True), ("raw-B", 0.8, False)):
+            o = big.get(other)
+            if o and "skipped" not in o:
+                ratio = o["total_s"] / kv["total_s"]
+                line(ratio >= need, f"128MiB round trip kvredis/{other} = {ratio:.2f}x >= {need}x", stretch)
+        for role, need, stretch in (("writer", 0.5, False), ("writer", 0.25, True),
+                                    ("reader", 1.5, False), ("reader", 1.25, True)):
+            extra = kv[f"{role}_extra"]
+            line(extra <= need, f"128MiB {role} extra peak memory {extra:.2f}x <= {need}x payload", stretch)
+        line(kv["verified"], "128MiB kvredis result bit-identical")
+    small = results.get(64 << 10, {})
+    kv, raw = small.get("kvredis"), small.get("raw-A")
+    if kv and raw and "skipped" not in kv:
+        ratio = kv["total_s"] / raw["total_s"]
+        line(ratio <= 2.0, f"64KiB kvredis insert+drop_select {kv['total_s'] * 1e3:.3f} ms = {ratio:.2f}x "
+                           f"raw-A SET+GET {raw['total_s'] * 1e3:.3f} ms <= 2x")
+    return passed
+
+
+def write_png(results: dict[int, dict[str, Any]], path: str, info: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    for name in PATHS:
+        points = [(n, r[name]["mbps"]) for n, r in results.items() if name in r and "skipped" not in r[name]]
+        if points:
+            xs, ys = zip(*sorted(points), strict=True)
+            ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name == "memcpy" else "-")
+    sizes = sorted(results)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [fmt_size(n) for n in sizes])
+    ax.set_xlabel("KV entry size (key + value, bf16)")
+    ax.set_ylabel("round trip MB/s (write + read, median)")
+    ax.set_title(f"KV entry through Redis {info.get('redis_version', '')} on loopback, "
+                 f"{info.get('cpus', '?')} cores", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def cleanup(url: str, prefix: str) -> int:
+    """Delete every key this run wrote (some may be left by a failure); returns how many remained."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    for start in range(0, len(keys), 500):
+        client.delete(*keys[start:start + 500])
+    left = sum(1 for _ in client.scan_iter(match=f"{prefix}*", count=1000))
+    client.close()
+    if left:
+        raise RuntimeError(f"{left} keys under {prefix}* could not be deleted")
+    return len(keys)
+
+
+# -- main --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default=os.environ.get("KVREDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
+    parser.add_argument("--large", action="store_true", help="also 1GiB")
+    parser.add_argument("--repeat", type=int, default=3, help="round trips per path and size (median/best)")
+    parser.add_argument("--small-repeat", type=int, default=15,
+                        help="round trips for sizes up to 1MiB, which are short and noisy (default 15)")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help="comma-separated subset of " + ",".join(PATHS))
+    parser.add_argument("--png", default="docs/bench_transfer.png")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also sweep KVREDIS_CHUNK_BYTES x KVREDIS_INFLIGHT_BYTES for kvredis")
+    parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
+    parser.add_argument("--sweep-size", type=parse_size, default=128 << 20)
+    parser.add_argument("--phases", action="store_true",
+                        help="also time kvredis's internal phases (insert, drop_select) per size")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    if args.large and (1 << 30) not in sizes:
+        sizes.append(1 << 30)
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = set(paths) - set(PATHS)
+    if unknown:
+        parser.error(f"unknown paths {sorted(unknown)}; use {','.join(PATHS)}")
+    for size in sizes:
+        kv_shape(size)
+
+    from tqdm import tqdm
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    prefix = f"kvbench-{uuid.uuid4().hex[:8]}"
+    info = machine_info(args.url)
+    out: list[str] = []
+
+    def emit(text: str = "") -> None:
+        out.append(text)
+
+    print(f"Redis {info['redis_version']} at {args.url}; redis-py {info['redis_py']}, "
+          f"hiredis {info['hiredis']}, "
+          f"torch {info['torch']}, {info['cpus']} CPUs; keys under {prefix}*", flush=True)
+    results: dict[int, dict[str, Any]] = {}
+    sweep: list[dict[str, Any]] = []
+    phases: dict[int, list[tuple[str, float, int]]] = {}
+    started = time.perf_counter()
+    try:
+        steps = 0
+        if not args.sweep_only:
+            steps += sum(len(paths) * (args.small_repeat if size <= 1 << 20 else args.repeat)
+                         for size in sizes)
+        if args.sweep or args.sweep_only:
+            steps += len(SWEEP_CHUNKS) * len(SWEEP_INFLIGHT) * args.repeat
+        if args.phases:
+            steps += len(sizes)
+        bar = tqdm(total=steps, disable=args.no_progress, unit="round trip", file=sys.stderr)
+        tick = lambda: bar.update(1)  # noqa: E731
+        if not args.sweep_only:
+            for size in sizes:
+                bar.set_description(f"{fmt_size(size):>6}")
+                results[size] = {}
+                variants = {}
+                for path in paths:
+                    why = feasible(path, size)
+                    if why:
+                        results[size][path] = {"skipped": why}
+                    else:
+                        variants[path] = (path, {})
+                repeat = args.small_repeat if size <= 1 << 20 else args.repeat
+                measured_paths = measure(ctx, variants, size, repeat, args.url, prefix, tick)
+                results[size] = {p: results[size].get(p) or measured_paths[p] for p in paths}
+        if args.sweep or args.sweep_only:
+            bar.set_description(f"sweep {fmt_size(args.sweep_size)}")
+            variants = {f"{c}/{i}": ("kvredis", {"KVREDIS_CHUNK_BYTES": c, "KVREDIS_INFLIGHT_BYTES": i})
+                        for c in SWEEP_CHUNKS for i in SWEEP_INFLIGHT}
+            swept = measure(ctx, variants, args.sweep_size, args.repeat, args.url, f"{prefix}-sw", tick)
+            sweep = [{"chunk": name.split("/")[0], "inflight": name.split("/")[1], **r}
+                     for name, r in swept.items()]
+        if args.phases:
+            for size in sizes:
+                bar.set_description(f"phases {fmt_size(size)}")
+                reps = args.small_repeat if size <= 1 << 20 else args.repeat
+                phases[size] = run_phases(ctx, size, args.url, prefix, reps)
+                tick()
+        bar.close()
+    finally:
+        removed = cleanup(args.url, prefix)
+    elapsed = time.perf_counter() - started
+
+    emit(f"# {info['date']}  Redis {info['redis_version']}, redis-py {info['redis_py']}, hiredis "
+         f"{info['hiredis']}, torch {info['torch']}, {info['cpus']} CPUs ({info.get('cpu_model', '?')})")
+    emit(f"# write/read: median ms over {args.repeat} round trips ({args.small_repeat} up to 1MiB); "
+         "RT MB/s = key+value bytes / (write+read), 10^6 B/s, median and best;")
+    emit("# ratios = throughput of kvredis over the other path (its time / kvredis's), median (best)")
+    emit("# mem = extra peak RSS of the writer / reader process in its phase, x payload (output included;")
+    emit("#       the kernel's RSS counters are approximate to ~0.5 MB: ignore multiples below 16MiB)")
+    emit()
+    passed = True
+    if results:
+        print_table(results, emit)
+        passed = check_targets(results, emit)
+        emit()
+    if sweep:
+        emit(f"# sweep: kvredis at {fmt_size(args.sweep_size)}, KVREDIS_CHUNK_BYTES x KVREDIS_INFLIGHT_BYTES")
+        emit(f"{'chunk':>7} {'inflight':>8} {'write ms':>9} {'read ms':>9} {'RT MB/s':>8} {'best':>7} "
+             f"{'writer mem':>10} {'reader mem':>10}")
+        for r in sweep:
+            emit(f"{r['chunk']:>7} {r['inflight']:>8} {r['write_s'] * 1e3:9.2f} {r['read_s'] * 1e3:9.2f} "
+                 f"{r['mbps']:8.0f} {r['best_mbps']:7.0f} {r['writer_extra']:9.2f}x "
+                 f"{r['reader_extra']:9.2f}x")
+        top = max(sweep, key=lambda r: r["mbps"])
+        emit(f"best: KVREDIS_CHUNK_BYTES={top['chunk']} KVREDIS_INFLIGHT_BYTES={top['inflight']} "
+             f"({top['mbps']:.0f} MB/s)")
+        emit()
+    for size, rows in phases.items():
+        emit(f"# kvredis phases at {fmt_size(size)} (median ms per round trip, inclusive; calls)")
+        for name, seconds, calls in rows:
+            depth = name.count("/")
+            label = name.rsplit("/", 1)[-1]
+            emit(f"  {'  ' * depth}{label:<{34 - 2 * depth}} {seconds * 1e3:9.3f} ms  x{calls}")
+        emit()
+    emit(f"# {removed} keys removed; {elapsed:.0f} s")
+    print("\n".join(out), flush=True)
+
+    if results and args.png:
+        write_png(results, args.png, info)
+        print(f"chart: {args.png}")
+    if args.json:
+        document = {"command": sys.argv, "machine": info, "results": {str(k): v for k, v in results.items()},
+                    "sweep": sweep, "phases": {str(k): v for k, v in phases.items()}, "passed": passed}
+        with open(args.json, "w") as handle:
+            json.dump(document, handle, indent=1, default=str)
+        print(f"json: {args.json}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
