@@ -15,13 +15,17 @@ header is decoded with msgpack limits, and sizes are checked before anything is 
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import torch
+
+try:  # ISA-L computes the same CRC32 as zlib, 4-5x faster: the `fast` extra.
+    from isal.isal_zlib import crc32
+except ImportError:
+    from zlib import crc32
 
 from kvredis.errors import CodecError
 from kvredis.keys import FORMAT_VERSION
@@ -152,7 +156,7 @@ def encode(
         if tensor.device.type != "cpu":
             tensor = tensor.to("cpu")
         data = tensor_bytes(tensor)
-        crc = zlib.crc32(data) if checksum else None
+        crc = crc32(data) if checksum else None
         descriptors.append([name, list(tensor.shape), data.nbytes, crc])
         payload.append(data)
         padding = _aligned(data.nbytes) - data.nbytes
@@ -169,7 +173,7 @@ def encode(
         raise CodecError(f"header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
     # Refuse here what the reader's limits would refuse, so that nothing written is unreadable.
     _unpack_header(packed)
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(packed), zlib.crc32(packed)) + packed
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(packed), crc32(packed)) + packed
     head += bytes(_aligned(len(head)) - len(head))
     return Encoded(head, payload)
 
@@ -190,7 +194,7 @@ def read_header(blob: bytes | bytearray | memoryview, *, max_payload_bytes: int)
     if view.nbytes < end:
         raise CodecError(f"truncated blob: header needs {end} bytes, blob has {view.nbytes}")
     packed = view[_PREFIX.size:end]
-    if zlib.crc32(packed) != crc:
+    if crc32(packed) != crc:
         raise CodecError("corrupt blob: header checksum mismatch")
     raw = _unpack_header(bytes(packed))
     specs = _parse_specs(raw)
@@ -277,7 +281,7 @@ def decode_payload(
             tensors.append(None)
             continue
         raw = storage[offset:offset + spec.nbytes]
-        if verify and spec.crc is not None and zlib.crc32(tensor_bytes(raw)) != spec.crc:
+        if verify and spec.crc is not None and crc32(tensor_bytes(raw)) != spec.crc:
             raise CodecError(f"corrupt blob: checksum mismatch in tensor {index}")
         tensors.append(raw.view(spec.dtype).reshape(spec.shape))
     return tensors

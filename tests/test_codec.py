@@ -710,3 +710,11 @@ def test_property_random_bytes_after_valid_prefix(specs, data: st.DataObject) ->
     decoded = _decodes_identically_or_refuses(damaged, tensors)
     if cut == len(blob):
         assert not decoded  # extra bytes after a whole blob are never ignored
+
+
+def test_the_checksum_is_zlibs_crc32_whichever_library_computes_it() -> None:
+    import zlib
+
+    data = bytes(range(256)) * 4099
+    assert codec.crc32(data) == zlib.crc32(data)
+    assert codec.crc32(data[7:], codec.crc32(data[:7])) == zlib.crc32(data)

@@ -1,0 +1,139 @@
+"""Reading bulk replies straight into a caller's buffer, over a connection redis-py already opened.
+
+redis-py (with or without hiredis) turns every reply into a new ``bytes`` object that kvredis then copies
+into the output tensor: two passes over fresh memory per byte. Here the socket's ``recv_into`` writes the
+payload directly where it belongs. Only the tiny RESP subset GETDEL needs is parsed: a bulk string, a
+nil, or an error. The connection comes from redis-py's pool, so URL, TLS, ACL login and timeouts are
+redis-py's; it is handed back clean, or disconnected if anything went wrong mid-reply.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+from kvredis.errors import KVRedisError
+
+_CRLF = b"\r\n"
+_LINE_LIMIT = 4096
+
+
+class RespError(KVRedisError):
+    """Redis answered a command with an error reply (``-ERR ...``)."""
+
+
+class ProtocolError(KVRedisError):
+    """The server sent something that is not the reply expected."""
+
+
+def pack_getdel(key: str) -> bytes:
+    """The RESP encoding of ``GETDEL key``."""
+    raw = key.encode()
+    return b"*2\r\n$6\r\nGETDEL\r\n$%d\r\n%s\r\n" % (len(raw), raw)
+
+
+class BulkReader:
+    """Reads RESP replies from a socket, copying bulk payloads straight into destination buffers."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray(64 << 10)
+        self._start = 0
+        self._end = 0
+
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buffer):
+            # Keep the unread bytes, move them to the front.
+            remaining = self._buffer[self._start:self._end]
+            self._buffer[:len(remaining)] = remaining
+            self._start, self._end = 0, len(remaining)
+        received = self._sock.recv_into(memoryview(self._buffer)[self._end:])
+        if received == 0:
+            raise ConnectionError("Redis closed the connection in the middle of a reply")
+        self._end += received
+
+    def _line(self) -> bytes:
+        while True:
+            found = self._buffer.find(_CRLF, self._start, self._end)
+            if found >= 0:
+                line = bytes(self._buffer[self._start:found])
+                self._start = found + 2
+                return line
+            if self._end - self._start > _LINE_LIMIT:
+                raise ProtocolError("reply line longer than expected")
+            self._fill()
+
+    def _read_exact(self, destination: memoryview) -> None:
+        position = 0
+        buffered = min(self._end - self._start, destination.nbytes)
+        if buffered:
+            destination[:buffered] = self._buffer[self._start:self._start + buffered]
+            self._start += buffered
+            position = buffered
+        while position < destination.nbytes:
+            received = self._sock.recv_into(destination[position:])
+            if received == 0:
+                raise ConnectionError("Redis closed the connection in the middle of a reply")
+            position += received
+
+    def _skip(self, count: int) -> None:
+        scratch = memoryview(bytearray(min(count, 1 << 20)))
+        while count:
+            step = min(count, scratch.nbytes)
+            self._read_exact(scratch[:step])
+            count -= step
+
+    def read_bulk_into(self, destination: memoryview) -> bool:
+        """Read one bulk reply into ``destination``; ``False`` if it was nil or of another length."""
+        line = self._line()
+        kind, body = line[:1], line[1:]
+        if kind == b"-":
+            raise RespError(body.decode(errors="replace"))
+        if kind == b"_":  # RESP3's null, when redis-py negotiated protocol 3
+            return False
+        if kind != b"$":
+            raise ProtocolError(f"expected a bulk reply, got {line[:40]!r}")
+        length = int(body)
+        if length < 0:
+            return False
+        if length != destination.nbytes:
+            self._skip(length + 2)
+            return False
+        self._read_exact(destination)
+        if self._line() != b"":
+            raise ProtocolError("bulk reply not terminated by CRLF")
+        return True
+
+
+def take_into(
+    sock: socket.socket, keys: Sequence[str], sizes: Sequence[int], out: memoryview, window_bytes: int
+) -> int:
+    """GETDEL ``keys`` into consecutive slices of ``out``, keeping about ``window_bytes`` requested ahead.
+
+    Returns how many pieces arrived whole before the first missing or wrongly sized one (``len(keys)``
+    when all did). Every request sent is read back, so the connection stays in step either way.
+    """
+    reader = BulkReader(sock)
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    sent = received = in_flight = 0
+    complete = len(keys)
+    while received < sent or (sent < len(keys) and complete == len(keys)):
+        batch = []
+        while complete == len(keys) and sent < len(keys) and (in_flight < window_bytes or sent == received):
+            batch.append(pack_getdel(keys[sent]))
+            in_flight += sizes[sent]
+            sent += 1
+        if batch:
+            sock.sendall(b"".join(batch))
+        whole = reader.read_bulk_into(out[offsets[received]:offsets[received + 1]])
+        if not whole and complete == len(keys):
+            complete = received
+        in_flight -= sizes[received]
+        received += 1
+    # Pieces after a missing one were never requested (or were read and are ignored); the caller
+    # deletes what is left.
+    return complete
