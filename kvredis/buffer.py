@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,7 @@ import redis
 import torch
 
 from kvredis import codec
-from kvredis.client import RedisStore
+from kvredis.client import RedisStore, WrongTypeError
 from kvredis.config import KVRedisConfig
 from kvredis.errors import CodecError, EntryTooLargeError, KVRedisError, KVRedisTimeoutError
 from kvredis.keys import CacheIdentity, EntryKeys, KeySpace, canonical_roi, canonical_tokens
@@ -33,6 +34,8 @@ Entry = list[torch.Tensor | None]
 """``[input_tokens, roi, key, value, hidden]``, as the seed's ``drop_select`` returns it."""
 
 _MISS: tuple[None, None, None, None, None] = (None, None, None, None, None)
+_ENTRY_ID = re.compile(r"\A[0-9a-f]{16}\Z")
+_MIN_CHUNK, _MAX_CHUNK = 4096, 256 << 20  # KVREDIS_CHUNK_BYTES's range
 
 
 class RedisLookupBuffer:
@@ -61,10 +64,13 @@ class RedisLookupBuffer:
         input_tokens: torch.Tensor,
         roi: torch.Tensor | None,
         key: torch.Tensor,
-        value: torch.Tensor,
+        value: torch.Tensor | None,
         hidden: torch.Tensor | None,
     ) -> None:
-        """Store ``[key, value, hidden]`` for the prompt; returns once the whole entry is in Redis."""
+        """Store ``[key, value, hidden]`` for the prompt; returns once the whole entry is in Redis.
+
+        ``value`` and ``hidden`` may be ``None`` (the V1 connector packs K and V into ``key``).
+        """
         self._check_open()
         started = time.perf_counter()
         tokens = torch.from_numpy(canonical_tokens(input_tokens))
@@ -79,17 +85,34 @@ class RedisLookupBuffer:
         ttl_ms = max(1, int(self.config.ttl_s * 1000))
         chunk = self.config.chunk_bytes
         entry_id = os.urandom(8).hex()
+        meta: dict[str, Any] = {"id": entry_id, "space": self.keyspace.prefix}
+        piece_keys: list[str] = []
         if size <= chunk:
-            encoded = codec.encode(tensors, {"id": entry_id}, checksum=self.config.checksum)
-            self.store.push_record(keys.queue, encoded.to_bytes(), ttl_ms)
+            encoded = codec.encode(tensors, meta, checksum=self.config.checksum)
         else:
             count = -(-size // chunk)
-            meta = {"id": entry_id, "chunk": chunk, "pieces": count}
+            meta.update(chunk=chunk, pieces=count)
             encoded = codec.encode(tensors, meta, checksum=self.config.checksum)
             piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
-            self.store.put_pieces(piece_keys, _pieces(encoded.payload, chunk), ttl_ms)
-            self.store.push_record(keys.queue, encoded.header, ttl_ms)
+        try:
+            if piece_keys:
+                self.store.put_pieces(piece_keys, _pieces(encoded.payload, chunk), ttl_ms)
+                self.store.push_record(keys.queue, encoded.header, ttl_ms)
+            else:
+                self.store.push_record(keys.queue, encoded.to_bytes(), ttl_ms)
+        except KVRedisError as exc:
+            cause = self._failure_cause(exc)
+            self.metrics.store_failed(cause)
+            logger.warning("insert into %s failed (%s): %s", keys.queue, cause, exc)
+            if piece_keys and cause != "timeout":
+                # Pieces of an entry whose record may or may not have landed: without them a record that
+                # did land reads as a miss, never as half an entry. After a timeout another round trip
+                # would break the caller's bound, so those pieces are left to their TTL.
+                self._discard(piece_keys, keys.queue)
+            raise
         self.metrics.stored(size, time.perf_counter() - started)
+        logger.debug("stored entry %s in %s: %d bytes, %d pieces", entry_id, keys.queue, size,
+                     len(piece_keys))
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -108,27 +131,40 @@ class RedisLookupBuffer:
         cause = "absent"
         try:
             while (remaining := deadline - time.monotonic()) > 0:
-                record = self.store.pop_record(keys.queue, remaining)
+                try:
+                    record = self.store.pop_record(keys.queue, remaining)
+                except WrongTypeError as exc:
+                    self._drop_foreign_key(keys.queue, exc)
+                    cause = "foreign"
+                    continue
                 if record is None:
                     break
                 entry, cause = self._read_entry(keys, record, tokens, mask)
                 if entry is not None:
-                    nbytes = sum(t.nbytes for t in entry if t is not None)
-                    self.metrics.loaded(nbytes, time.perf_counter() - started)
+                    self.metrics.loaded(codec.payload_size(entry), time.perf_counter() - started)
+                    logger.debug("loaded an entry from %s", keys.queue)
                     return entry
-        except KVRedisTimeoutError:
-            self.metrics.timeout()
-            self.metrics.miss("timeout")
-            raise
-        except KVRedisError:
-            self.metrics.miss("error")
+        except KVRedisError as exc:
+            failure = self._failure_cause(exc)
+            self.metrics.miss(failure)
+            logger.warning("drop_select from %s failed (%s): %s", keys.queue, failure, exc)
             raise
         self.metrics.miss(cause)
+        logger.debug("no usable entry in %s (%s)", keys.queue, cause)
         return list(_MISS)
 
-    def contains(self, input_tokens: torch.Tensor, roi: torch.Tensor | None = None) -> bool:
+    def contains(self, input_tokens: Any, roi: Any = None) -> bool:
         """Whether an entry for the prompt waits in Redis now (a hint: it may be taken or expire)."""
-        return self.store.peek_length(self.keyspace.entry(input_tokens, roi).queue) > 0
+        queue = self.keyspace.entry(input_tokens, roi).queue
+        try:
+            return self.store.peek_length(queue) > 0
+        except WrongTypeError as exc:
+            logger.warning("contains: %s holds a foreign value, not an entry list: %s", queue, exc)
+            return False
+        except KVRedisError as exc:
+            failure = self._failure_cause(exc)
+            logger.warning("contains(%s) failed (%s): %s", queue, failure, exc)
+            raise
 
     def _read_entry(
         self, keys: EntryKeys, record: bytes, tokens: torch.Tensor, mask: torch.Tensor
@@ -136,19 +172,25 @@ class RedisLookupBuffer:
         """The entry in ``record``, or ``None`` and why it was dropped."""
         try:
             header = codec.read_header(record, max_payload_bytes=self.config.max_entry_bytes)
+            space = header.meta.get("space")
+            if space != self.keyspace.prefix:
+                self.metrics.dropped("foreign")
+                logger.warning("dropped an entry in %s written for another namespace or model identity "
+                               "(%r)", keys.queue, space)
+                return None, "foreign"
             pieces = header.meta.get("pieces", 0)
             if not pieces:
                 payload: Any = memoryview(record)[header.payload_offset:]
             else:
-                payload = self._take_pieces(keys, header)
+                payload, cause = self._take_pieces(keys, header)
                 if payload is None:
-                    self.metrics.dropped("partial")
-                    return None, "partial"
+                    self.metrics.dropped(cause)
+                    return None, cause
             entry = codec.decode_payload(header, payload, verify=self.config.checksum)
         except CodecError as exc:
             cause = "foreign" if "foreign" in str(exc) or "version" in str(exc) else "corrupt"
             self.metrics.dropped(cause)
-            logger.warning("dropped an unreadable entry in %s: %s", keys.queue, exc)
+            logger.warning("dropped an unreadable entry in %s (%s): %s", keys.queue, cause, exc)
             return None, cause
         if len(entry) != 5 or not _same(entry[0], tokens) or not _same(entry[1], mask):
             self.metrics.dropped("foreign")
@@ -156,23 +198,58 @@ class RedisLookupBuffer:
             return None, "foreign"
         return entry, "hit"
 
-    def _take_pieces(self, keys: EntryKeys, header: codec.Header) -> torch.Tensor | None:
+    def _take_pieces(self, keys: EntryKeys, header: codec.Header) -> tuple[torch.Tensor | None, str]:
+        """The entry's payload from its pieces, or ``None`` and why (``partial`` or ``corrupt``)."""
         meta = header.meta
         entry_id, chunk, count = meta.get("id"), meta.get("chunk"), meta.get("pieces")
         total = header.payload_nbytes
-        if not (isinstance(entry_id, str) and isinstance(chunk, int) and isinstance(count, int)
-                and chunk > 0 and count == -(-total // chunk)):
+        # Checked before any key is named or byte allocated: a planted record must not make the reader
+        # build millions of keys (tiny chunk) or take keys outside its own entry (odd id).
+        if not (isinstance(entry_id, str) and _ENTRY_ID.match(entry_id) and isinstance(chunk, int)
+                and isinstance(count, int) and _MIN_CHUNK <= chunk <= _MAX_CHUNK
+                and count == -(-total // chunk)):
             raise CodecError(f"corrupt record: inconsistent piece layout {meta!r} for {total} bytes")
         piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
         sizes = [min(chunk, total - i * chunk) for i in range(count)]
         out = torch.empty(total, dtype=torch.uint8)
-        missing = self.store.take_pieces(piece_keys, sizes, out.numpy().data.cast("B"))
-        if missing:
-            self.store.delete(piece_keys)
+        try:
+            bad = self.store.take_pieces(piece_keys, sizes, out.numpy().data.cast("B"))
+        except KVRedisError as exc:
+            if not isinstance(exc, KVRedisTimeoutError):
+                self._discard(piece_keys, keys.queue)
+            raise
+        if bad is None:
+            return out, "hit"
+        key, cause = bad
+        self._discard(piece_keys, keys.queue)
+        if cause == "partial":
             logger.warning("entry %s in %s lost piece %s (evicted or expired): treated as a miss",
-                           entry_id, keys.queue, missing[0])
-            return None
-        return out
+                           entry_id, keys.queue, key)
+        else:
+            logger.warning("entry %s in %s has a foreign piece %s (wrong size or type): dropped",
+                           entry_id, keys.queue, key)
+        return None, cause
+
+    def _drop_foreign_key(self, queue: str, exc: KVRedisError) -> None:
+        """Delete a foreign value planted at an entry list's key, so that writers and readers work again."""
+        self.metrics.dropped("foreign")
+        logger.warning("deleted %s: it held a foreign value, not an entry list (%s)", queue, exc)
+        self.store.delete([queue])
+
+    def _discard(self, keys: list[str], queue: str) -> None:
+        """Best-effort delete of an unusable entry's pieces; what cannot be deleted expires with its TTL."""
+        try:
+            self.store.delete(keys)
+        except KVRedisError as exc:
+            logger.debug("could not delete %d pieces of an entry in %s (they expire with their TTL): %s",
+                         len(keys), queue, exc)
+
+    def _failure_cause(self, exc: KVRedisError) -> str:
+        """``"timeout"`` (and counted as one) or ``"error"``."""
+        if isinstance(exc, KVRedisTimeoutError):
+            self.metrics.timeout()
+            return "timeout"
+        return "error"
 
     # -- housekeeping ----------------------------------------------------------------------------
 

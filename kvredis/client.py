@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import ssl
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,6 +29,36 @@ logger = logging.getLogger("kvredis.client")
 _BUFFER_CUTOFF = 6000  # redis-py's own threshold for sending an argument as a separate buffer.
 
 
+class WrongTypeError(KVRedisError):
+    """A key kvredis uses holds another kind of value (planted or foreign): Redis answered WRONGTYPE."""
+
+
+def _connection_problem(exc: BaseException, config: KVRedisConfig | None) -> str:
+    """redis-py's message, saying so when TLS is what failed (its own words are often cryptic)."""
+    text = str(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+        return f"TLS certificate verification failed (is KVREDIS_TLS_CA_FILE the server's CA?): {text}"
+    cause: BaseException | None = exc
+    for _ in range(5):  # redis-py raises its ConnectionError while handling the ssl module's error
+        if cause is None or isinstance(cause, ssl.SSLError):
+            break
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ssl.SSLError):
+        hint = ""
+        if config is not None and config.tls_cert_file is None and "ssl_certfile=" not in config.url:
+            hint = " (the server may require a client certificate: KVREDIS_TLS_CERT_FILE, _KEY_FILE)"
+        return f"TLS connection failed{hint}: {text}"
+    return text
+
+
+_PIPELINE_NOTE = re.compile(r"Command # (\d+) \((\S+).*? of pipeline caused error: ", re.DOTALL)
+
+
+def _without_arguments(text: str) -> str:
+    """redis-py quotes a failed pipeline command with its arguments (a binary record): keep only its name."""
+    return _PIPELINE_NOTE.sub(lambda m: f"command {m[1]} of the pipeline ({m[2]}) failed: ", text)
+
+
 @contextlib.contextmanager
 def translate_errors(what: str, config: KVRedisConfig | None = None) -> Iterator[None]:
     """Re-raise redis-py errors raised inside the block as kvredis errors naming ``what``."""
@@ -38,11 +70,22 @@ def translate_errors(what: str, config: KVRedisConfig | None = None) -> Iterator
     except redis.exceptions.AuthenticationError as exc:
         raise KVRedisConnectionError(f"{what}{where}: authentication failed: {exc}") from None
     except redis.exceptions.ConnectionError as exc:
-        raise KVRedisConnectionError(f"{what}{where} failed: {exc}") from None
+        raise KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}") from None
+    except redis.exceptions.ResponseError as exc:
+        text = _without_arguments(str(exc))
+        if "NOPERM" in text or isinstance(exc, redis.exceptions.NoPermissionError):
+            raise KVRedisError(f"{what}{where}: denied by the Redis ACL (NOPERM): {text}") from None
+        if "EXEC without MULTI" in text:  # MULTI itself was refused; redis-py reports only the EXEC
+            raise KVRedisError(
+                f"{what}{where}: MULTI was refused (NOPERM? the Redis ACL needs +multi +exec): {text}"
+            ) from None
+        if "WRONGTYPE" in text:
+            raise WrongTypeError(f"{what}{where} failed: a key holds a foreign value: {text}") from None
+        raise KVRedisError(f"{what}{where} failed: {type(exc).__name__}: {text}") from None
     except redis.exceptions.RedisError as exc:
         raise KVRedisError(f"{what}{where} failed: {type(exc).__name__}: {exc}") from None
     except OSError as exc:  # TLS set-up errors and the like surface as plain OSErrors.
-        raise KVRedisConnectionError(f"{what}{where} failed: {exc}") from None
+        raise KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}") from None
 
 
 def connect(config: KVRedisConfig, *, extra_read_timeout_s: float = 0.0) -> redis.Redis:
@@ -53,19 +96,16 @@ def connect(config: KVRedisConfig, *, extra_read_timeout_s: float = 0.0) -> redi
         "retry": Retry(NoBackoff(), 0),
         "command_packer": PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode),
     }
-    if config.username is not None:
-        kwargs["username"] = config.username
-    if config.password is not None:
-        kwargs["password"] = config.password
-    if config.url.startswith("rediss://"):
-        if config.tls_ca_file is not None:
-            kwargs["ssl_ca_certs"] = config.tls_ca_file
-        if config.tls_cert_file is not None:
-            kwargs["ssl_certfile"] = config.tls_cert_file
-        if config.tls_key_file is not None:
-            kwargs["ssl_keyfile"] = config.tls_key_file
+    # Credentials and query options go in as arguments, not in the URL: redis-py lets the URL's win over
+    # arguments, which would silently ignore KVREDIS_PASSWORD or the socket bounds.
+    url, options = config.connection_options()
+    kwargs.update(options)
+    tls_files = (config.tls_ca_file, config.tls_cert_file, config.tls_key_file)
+    if not url.startswith("rediss://") and any(path is not None for path in tls_files):
+        logger.warning("KVREDIS_TLS_* files are set but %s is not a rediss:// URL: TLS is not used",
+                       config.masked_url)
     with translate_errors("connecting to Redis", config):
-        return redis.Redis.from_url(config.url, **kwargs)
+        return redis.Redis.from_url(url, **kwargs)
 
 
 class RedisStore:
@@ -131,10 +171,13 @@ class RedisStore:
             if len(pipe):
                 _check_all(pipe.execute(raise_on_error=True), "SET")
 
-    def take_pieces(self, keys: Sequence[str], sizes: Sequence[int], out: memoryview) -> list[str]:
-        """GETDEL each key into consecutive slices of ``out``; returns the keys that were missing.
+    def take_pieces(
+        self, keys: Sequence[str], sizes: Sequence[int], out: memoryview
+    ) -> tuple[str, str] | None:
+        """GETDEL each key into consecutive slices of ``out``; ``None``, or the first bad key and why.
 
-        Stops early at the first missing or wrongly sized piece: the entry is lost either way, and the
+        Why is ``"partial"`` for a missing piece (expired, evicted) and ``"corrupt"`` for one of the wrong
+        size or type (planted). Stops early at the first bad piece: the entry is lost either way, and the
         caller deletes what is left.
         """
         per_batch = max(1, self.config.inflight_bytes // max(max(sizes, default=1), 1))
@@ -145,13 +188,17 @@ class RedisStore:
                 pipe = self.redis.pipeline(transaction=False)
                 for key in batch:
                     pipe.getdel(key)
-                replies = pipe.execute()
+                replies = pipe.execute(raise_on_error=False)
                 for key, size, value in zip(batch, sizes[start:start + per_batch], replies, strict=True):
-                    if value is None or len(value) != size:
-                        return [key]
+                    if value is None:
+                        return key, "partial"
+                    if isinstance(value, redis.exceptions.ResponseError) and "WRONGTYPE" not in str(value):
+                        raise value
+                    if not isinstance(value, bytes) or len(value) != size:
+                        return key, "corrupt"
                     out[position:position + size] = value
                     position += size
-        return []
+        return None
 
     def delete(self, keys: Sequence[str]) -> int:
         """Delete keys (ignoring ones already gone); returns how many existed."""

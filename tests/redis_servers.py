@@ -9,6 +9,8 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -20,32 +22,63 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class RedisServer:
-    """One ``redis-server`` process with nothing on disk; ``stop``/``kill``/``start`` for fault tests."""
+@dataclass(frozen=True)
+class ServerTLS:
+    """PEM files for a TLS-only server, and the client certificate the tests' own client uses."""
 
-    def __init__(self, extra_args: Sequence[str] = (), port: int | None = None) -> None:
+    ca_file: str
+    cert_file: str
+    key_file: str
+    client_cert_file: str
+    client_key_file: str
+    auth_clients: str = "yes"  # redis-server's --tls-auth-clients: yes, optional or no
+
+    def args(self, port: int) -> list[str]:
+        """redis-server arguments: TLS on ``port``, no plain-text port."""
+        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", self.cert_file,
+                "--tls-key-file", self.key_file, "--tls-ca-cert-file", self.ca_file,
+                "--tls-auth-clients", self.auth_clients]
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """redis-py arguments of a client this server trusts."""
+        return {"ssl": True, "ssl_ca_certs": self.ca_file, "ssl_certfile": self.client_cert_file,
+                "ssl_keyfile": self.client_key_file}
+
+
+class RedisServer:
+    """One ``redis-server`` process with nothing on disk; ``stop``/``kill``/``start`` for fault tests.
+
+    With ``tls`` it listens only on a TLS port (redis-server must be built with TLS).
+    """
+
+    def __init__(
+        self, extra_args: Sequence[str] = (), port: int | None = None, tls: ServerTLS | None = None
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not on the PATH")
         self.binary = binary
         self.port = port or free_port()
         self.extra_args = list(extra_args)
+        self.tls = tls
         self.dir = tempfile.mkdtemp(prefix="kvredis-test-redis-")
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """``redis://127.0.0.1:PORT/0`` (``rediss://`` with TLS)."""
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        """Start the server and wait until it answers PING."""
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        """Start the server (again, on the same port after ``kill``) and wait until it answers PING."""
+        ports = self.tls.args(self.port) if self.tls else ["--port", str(self.port)]
+        args = [self.binary, *ports, "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self.dir, *self.extra_args]
         log = open(os.path.join(self.dir, "redis.log"), "ab")  # noqa: SIM115 - lives as long as the server
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()  # the child has its own copy
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
+        client = self.client(socket_timeout=1)
         while True:
             try:
                 if client.ping():
@@ -58,9 +91,16 @@ class RedisServer:
         client.close()
         return self
 
-    def client(self) -> redis.Redis:
-        """A plain redis-py client for inspecting the server."""
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A plain redis-py client for inspecting the server (as the default user, over TLS if need be)."""
+        options: dict[str, Any] = {"socket_timeout": 5, **(self.tls.client_kwargs() if self.tls else {})}
+        options.update(kwargs)
+        return redis.Redis(host="127.0.0.1", port=self.port, **options)
+
+    def restart(self) -> RedisServer:
+        """SIGKILL, then start again on the same port, empty (nothing is persisted)."""
+        self.kill()
+        return self.start()
 
     def kill(self) -> None:
         """SIGKILL: the server dies mid-whatever, as in a crash."""
