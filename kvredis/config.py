@@ -19,7 +19,7 @@ from kvredis.errors import ConfigError
 
 ENV_PREFIX = "KVREDIS_"
 URL_SCHEMES = ("redis", "rediss", "unix")
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _TRUE = {"1", "true", "yes", "on"}
@@ -88,7 +88,7 @@ def _url_query(url: str) -> dict[str, Any]:
 
 def _parse_namespace(value: Any) -> str:
     text = str(value)
-    if not _NAMESPACE_RE.match(text):
+    if not _NAMESPACE_RE.fullmatch(text):
         # Colons, braces and globs would break key parsing, cluster hash tags and ACL key patterns.
         raise ValueError("must be 1-64 characters of letters, digits, '_', '.' or '-'")
     return text
@@ -214,9 +214,8 @@ def _mask_url(url: str) -> str:
     if parts.password is None:
         return url
     user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
+    # Keep the host exactly as written (IPv6 brackets, case): only the password is replaced.
+    host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 

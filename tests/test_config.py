@@ -286,11 +286,6 @@ def test_invalid_namespace_is_refused_naming_it(namespace: str) -> None:
         config(KVREDIS_NAMESPACE=namespace)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG config.py:22/39: _NAMESPACE_RE uses '$' with .match, which also matches before a trailing "
-    "newline, so 'kvredis\\n' is accepted and would put a newline into every key",
-)
 def test_namespace_with_trailing_newline_is_refused() -> None:
     with pytest.raises(ConfigError, match="KVREDIS_NAMESPACE"):
         config(KVREDIS_NAMESPACE="kvredis\n")
@@ -465,11 +460,6 @@ def test_url_without_password_is_shown_unchanged() -> None:
     assert cfg.describe()["KVREDIS_URL"] == "redis://user@host:6379/0"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG config.py:150 _mask_url: parts.hostname drops IPv6 brackets, so the masked URL "
-    "'redis://u:***@::1:6379/0' is no longer a valid URL",
-)
 def test_masked_ipv6_url_keeps_brackets() -> None:
     assert config(KVREDIS_URL="redis://u:pw@[::1]:6379/0").masked_url == "redis://u:***@[::1]:6379/0"
 
