@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import socket
 import ssl
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
+from kvredis import resp
 from kvredis.config import KVRedisConfig
 from kvredis.errors import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
 
@@ -84,6 +86,8 @@ def translate_errors(what: str, config: KVRedisConfig | None = None) -> Iterator
         raise KVRedisError(f"{what}{where} failed: {type(exc).__name__}: {text}") from None
     except redis.exceptions.RedisError as exc:
         raise KVRedisError(f"{what}{where} failed: {type(exc).__name__}: {exc}") from None
+    except TimeoutError as exc:  # the bulk path reads the socket itself
+        raise KVRedisTimeoutError(f"{what}{where} timed out: {exc}") from None
     except OSError as exc:  # TLS set-up errors and the like surface as plain OSErrors.
         raise KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}") from None
 
@@ -180,24 +184,42 @@ class RedisStore:
         size or type (planted). Stops early at the first bad piece: the entry is lost either way, and the
         caller deletes what is left.
         """
+        with self._guard(f"reading {len(keys)} pieces"):
+            pool = self.redis.connection_pool
+            connection = pool.get_connection()
+            try:
+                sock = getattr(connection, "_sock", None)
+                if not isinstance(sock, socket.socket):  # fakeredis and other stand-ins
+                    return self._take_pieces_pipelined(keys, sizes, out)
+                failure = resp.take_into(sock, keys, sizes, out, self.config.inflight_bytes)
+            except BaseException:
+                # A reply may be half read: the connection cannot be reused.
+                connection.disconnect()
+                raise
+            finally:
+                pool.release(connection)
+        return None if failure is None else (keys[failure[0]], failure[1])
+
+    def _take_pieces_pipelined(
+        self, keys: Sequence[str], sizes: Sequence[int], out: memoryview
+    ) -> tuple[str, str] | None:
         per_batch = max(1, self.config.inflight_bytes // max(max(sizes, default=1), 1))
         position = 0
-        with self._guard(f"reading {len(keys)} pieces"):
-            for start in range(0, len(keys), per_batch):
-                batch = keys[start:start + per_batch]
-                pipe = self.redis.pipeline(transaction=False)
-                for key in batch:
-                    pipe.getdel(key)
-                replies = pipe.execute(raise_on_error=False)
-                for key, size, value in zip(batch, sizes[start:start + per_batch], replies, strict=True):
-                    if value is None:
-                        return key, "partial"
-                    if isinstance(value, redis.exceptions.ResponseError) and "WRONGTYPE" not in str(value):
-                        raise value
-                    if not isinstance(value, bytes) or len(value) != size:
-                        return key, "corrupt"
-                    out[position:position + size] = value
-                    position += size
+        for start in range(0, len(keys), per_batch):
+            batch = keys[start:start + per_batch]
+            pipe = self.redis.pipeline(transaction=False)
+            for key in batch:
+                pipe.getdel(key)
+            replies = pipe.execute(raise_on_error=False)
+            for key, size, value in zip(batch, sizes[start:start + per_batch], replies, strict=True):
+                if value is None:
+                    return key, "partial"
+                if isinstance(value, redis.exceptions.ResponseError) and "WRONGTYPE" not in str(value):
+                    raise value
+                if not isinstance(value, bytes) or len(value) != size:
+                    return key, "corrupt"
+                out[position:position + size] = value
+                position += size
         return None
 
     def delete(self, keys: Sequence[str]) -> int:

@@ -85,55 +85,60 @@ class BulkReader:
             self._read_exact(scratch[:step])
             count -= step
 
-    def read_bulk_into(self, destination: memoryview) -> bool:
-        """Read one bulk reply into ``destination``; ``False`` if it was nil or of another length."""
+    def read_bulk_into(self, destination: memoryview) -> str | None:
+        """Read one reply into ``destination``: ``None`` when it filled it, else why not.
+
+        ``"partial"`` for a null (the key is gone), ``"corrupt"`` for a value of another length or type.
+        """
         line = self._line()
         kind, body = line[:1], line[1:]
         if kind == b"-":
-            raise RespError(body.decode(errors="replace"))
+            text = body.decode(errors="replace")
+            if text.startswith("WRONGTYPE"):
+                return "corrupt"
+            raise RespError(text)
         if kind == b"_":  # RESP3's null, when redis-py negotiated protocol 3
-            return False
+            return "partial"
         if kind != b"$":
             raise ProtocolError(f"expected a bulk reply, got {line[:40]!r}")
         length = int(body)
         if length < 0:
-            return False
+            return "partial"
         if length != destination.nbytes:
             self._skip(length + 2)
-            return False
+            return "corrupt"
         self._read_exact(destination)
         if self._line() != b"":
             raise ProtocolError("bulk reply not terminated by CRLF")
-        return True
+        return None
 
 
 def take_into(
     sock: socket.socket, keys: Sequence[str], sizes: Sequence[int], out: memoryview, window_bytes: int
-) -> int:
+) -> tuple[int, str] | None:
     """GETDEL ``keys`` into consecutive slices of ``out``, keeping about ``window_bytes`` requested ahead.
 
-    Returns how many pieces arrived whole before the first missing or wrongly sized one (``len(keys)``
-    when all did). Every request sent is read back, so the connection stays in step either way.
+    Returns ``None`` when every piece arrived whole, else the index of the first bad one and why
+    (see :meth:`BulkReader.read_bulk_into`). No request is sent after a bad piece, and every request sent
+    is read back, so the connection stays in step.
     """
     reader = BulkReader(sock)
     offsets = [0]
     for size in sizes:
         offsets.append(offsets[-1] + size)
     sent = received = in_flight = 0
-    complete = len(keys)
-    while received < sent or (sent < len(keys) and complete == len(keys)):
+    failure: tuple[int, str] | None = None
+    while received < sent or (sent < len(keys) and failure is None):
         batch = []
-        while complete == len(keys) and sent < len(keys) and (in_flight < window_bytes or sent == received):
+        while failure is None and sent < len(keys) and (in_flight < window_bytes or sent == received):
             batch.append(pack_getdel(keys[sent]))
             in_flight += sizes[sent]
             sent += 1
         if batch:
             sock.sendall(b"".join(batch))
-        whole = reader.read_bulk_into(out[offsets[received]:offsets[received + 1]])
-        if not whole and complete == len(keys):
-            complete = received
+        problem = reader.read_bulk_into(out[offsets[received]:offsets[received + 1]])
+        if problem is not None and failure is None:
+            failure = (received, problem)
         in_flight -= sizes[received]
         received += 1
-    # Pieces after a missing one were never requested (or were read and are ignored); the caller
-    # deletes what is left.
-    return complete
+    return failure
