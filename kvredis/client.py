@@ -92,11 +92,14 @@ def translate_errors(what: str, config: KVRedisConfig | None = None) -> Iterator
         raise KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}") from None
 
 
-def connect(config: KVRedisConfig, *, extra_read_timeout_s: float = 0.0) -> redis.Redis:
-    """A redis-py client for ``config``: URL, credentials, TLS, timeouts, no retries, zero-copy packer."""
+def connect(config: KVRedisConfig, *, read_timeout_s: float | None = None) -> redis.Redis:
+    """A redis-py client for ``config``: URL, credentials, TLS, timeouts, no retries, zero-copy packer.
+
+    ``read_timeout_s`` bounds each reply (default ``socket_timeout_s``).
+    """
     kwargs: dict[str, Any] = {
         "socket_connect_timeout": config.connect_timeout_s,
-        "socket_timeout": config.socket_timeout_s + extra_read_timeout_s,
+        "socket_timeout": config.socket_timeout_s if read_timeout_s is None else read_timeout_s,
         "retry": Retry(NoBackoff(), 0),
         "command_packer": PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode),
     }
@@ -125,7 +128,11 @@ class RedisStore:
         self.redis = client if client is not None else connect(config)
         # Blocking pops wait up to the pop timeout on the server, so their socket bound is longer.
         self._popper = client if client is not None else connect(
-            config, extra_read_timeout_s=config.pop_timeout_s
+            config, read_timeout_s=config.socket_timeout_s + config.pop_timeout_s
+        )
+        # vLLM's scheduler asks for every new request; a slow Redis must cost it little.
+        self._prober = client if client is not None else connect(
+            config, read_timeout_s=config.lookup_timeout_s
         )
 
     def _guard(self, what: str) -> contextlib.AbstractContextManager[None]:
@@ -158,11 +165,11 @@ class RedisStore:
     def peek_length(self, queue: str) -> int:
         """How many records wait in ``queue`` (no side effect)."""
         with self._guard(f"LLEN {queue}"):
-            return int(self.redis.llen(queue))
+            return int(self._prober.llen(queue))
 
     def put_pieces(self, keys: Sequence[str], pieces: Sequence[bytes | memoryview], ttl_ms: int) -> None:
         """SET each key to its piece with a TTL, pipelined; raise if any SET was refused."""
-        batch_bytes = max(self.config.inflight_bytes, 1)
+        batch_bytes = max(self.config.write_batch_bytes, 1)
         with self._guard(f"storing {len(keys)} pieces"):
             pipe = self.redis.pipeline(transaction=False)
             pending = 0
@@ -278,6 +285,7 @@ class RedisStore:
         if self._owns_clients:
             self.redis.close()
             self._popper.close()
+            self._prober.close()
 
 
 def _check_all(replies: list[Any], command: str) -> None:

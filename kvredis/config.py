@@ -176,13 +176,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("chunk_bytes", _chunk_size, 1 << 20,
             "Payloads larger than this are split into pieces of this size (4 KiB-256 MiB; `1MiB` works)."),
     Setting("inflight_bytes", _size, 4 << 20,
-            "Bytes of pieces sent or requested per pipelined round trip."),
+            "Bytes of pieces a reader keeps requested ahead (deeper read pipelines slow down)."),
+    Setting("write_batch_bytes", _size, 16 << 20,
+            "Bytes of pieces a writer sends per pipelined round trip."),
     Setting("max_entry_bytes", _size, 8 << 30,
             "Largest entry accepted on write or read; a header claiming more is refused before allocating."),
     Setting("connect_timeout_s", _positive_float, 2.0,
             "Bound on opening a connection to Redis."),
     Setting("socket_timeout_s", _positive_float, 10.0,
             "Bound on any single Redis reply (added to the pop timeout for blocking pops)."),
+    Setting("lookup_timeout_s", _positive_float, 0.5,
+            "Bound on the existence check vLLM's scheduler makes per new request (it must not stall)."),
     Setting("checksum", _bool, True,
             "Verify a CRC32 of every payload on read (costs ~0.2 ms per MiB)."),
     Setting("username", _optional_str, None,
@@ -229,9 +233,11 @@ class KVRedisConfig:
     pop_timeout_s: float = 5.0
     chunk_bytes: int = 1 << 20
     inflight_bytes: int = 4 << 20
+    write_batch_bytes: int = 16 << 20
     max_entry_bytes: int = 8 << 30
     connect_timeout_s: float = 2.0
     socket_timeout_s: float = 10.0
+    lookup_timeout_s: float = 0.5
     checksum: bool = True
     username: str | None = None
     password: str | None = dataclasses.field(default=None, repr=False)

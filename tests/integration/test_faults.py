@@ -240,7 +240,7 @@ def proxy(redis_server: Callable[..., RedisServer]) -> Iterator[StallProxy]:
 def test_redis_killed_mid_chunked_insert_fails_clearly_and_the_buffer_recovers(
         redis_server, buffers, namespace):
     server = redis_server()
-    buffer = buffers(server.url, namespace, chunk_bytes=64 << 10, inflight_bytes=1 << 20, ttl_s=60)
+    buffer = buffers(server.url, namespace, chunk_bytes=64 << 10, write_batch_bytes=1 << 20, ttl_s=60)
     small = kv_entry(16, seed=1)
     buffer.insert(small[0], None, *small[1:])  # the pool holds live connections when Redis dies
     assert_entry(buffer.drop_select(small[0], None), *small)
@@ -319,7 +319,7 @@ def test_redis_killed_while_a_reader_waits_fails_at_once(redis_server, buffers, 
 
 
 def test_connection_cut_mid_chunked_insert_leaves_no_piece(proxy, buffers, namespace):
-    buffer = buffers(proxy.url, namespace, chunk_bytes=16 << 10, inflight_bytes=64 << 10, ttl_s=60)
+    buffer = buffers(proxy.url, namespace, chunk_bytes=16 << 10, write_batch_bytes=64 << 10, ttl_s=60)
     tokens, key, value, hidden = big_entry(4)
     # The first batch lands, then the connection drops halfway through sending the second.
     cut = lambda: proxy.cut_after(32 << 10, "up")  # noqa: E731
@@ -348,7 +348,7 @@ def test_connection_cut_mid_chunked_drop_select_leaves_no_piece(proxy, buffers, 
 
 def test_pieces_refused_for_memory_are_deleted_and_the_error_says_why(redis_server, buffers, namespace):
     server = redis_server("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
-    buffer = buffers(server.url, namespace, chunk_bytes=64 << 10, inflight_bytes=256 << 10, ttl_s=60)
+    buffer = buffers(server.url, namespace, chunk_bytes=64 << 10, write_batch_bytes=256 << 10, ttl_s=60)
     tokens, key, value, hidden = big_entry(8)
     with pytest.raises(KVRedisError, match="maxmemory"):
         buffer.insert(tokens, None, key, value, hidden)

@@ -298,7 +298,7 @@ def test_the_minimal_acl_rule_runs_the_whole_buffer(acl_server, namespace):
     server, admin = acl_server
     set_user(admin, "kv", "pw-1", acl_rules(namespace))
     url = f"redis://kv:pw-1@127.0.0.1:{server.port}/0"
-    with buffer_for(url, namespace, chunk_bytes=4096, inflight_bytes=4096) as buffer:
+    with buffer_for(url, namespace, chunk_bytes=4096, inflight_bytes=4096, write_batch_bytes=4096) as buffer:
         round_trips(buffer)
         # The clean-up paths too: a partial entry's remaining pieces and a foreign value are deleted.
         tokens, key, value, hidden = kv_entry(200, seed=1)
