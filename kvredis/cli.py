@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import shlex
 import sys
-from collections.abc import Sequence
-from typing import Any
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvredis import __version__
 from kvredis.config import SETTINGS, KVRedisConfig
 from kvredis.errors import KVRedisError
+
+if TYPE_CHECKING:
+    from kvredis.stack import StackOptions
 
 
 def _config(args: argparse.Namespace) -> KVRedisConfig:
@@ -81,6 +89,81 @@ def cmd_purge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    """Run the disaggregation proxy until SIGINT or SIGTERM."""
+    # Imported here: `kvredis --version` and the other commands must work without aiohttp (the proxy extra).
+    try:
+        from kvredis.proxy import ProxyConfig, run_proxy
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "aiohttp":
+            raise
+        print("kvredis proxy needs aiohttp: pip install 'kvredis[proxy]'", file=sys.stderr)
+        return 2
+    config = ProxyConfig(
+        prefill_urls=args.prefill,
+        decode_urls=args.decode,
+        policy=args.policy,
+        connect_timeout_s=args.connect_timeout,
+        prefill_timeout_s=args.prefill_timeout,
+        decode_ttfb_timeout_s=args.decode_timeout,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_proxy(config, args.host, args.port)
+    except OSError as exc:
+        print(f"kvredis proxy: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _stack_options(args: argparse.Namespace, proxy_port: int) -> StackOptions:
+    """The stack's options from the ``up``/``demo`` arguments and the ``KVREDIS_*`` environment."""
+    from kvredis.stack import StackOptions
+
+    namespace = args.namespace or os.environ.get("KVREDIS_NAMESPACE") or "kvredis"
+    return StackOptions(
+        redis_url=args.url or os.environ.get("KVREDIS_URL") or None,
+        namespace=namespace,
+        host=args.host,
+        proxy_port=proxy_port,
+        model=getattr(args, "model", None),
+        engine_command=shlex.split(args.engine_command) if args.engine_command else None,
+        engine_args=tuple(args.engine_arg or ()),
+        startup_timeout_s=args.startup_timeout,
+        stop_grace_s=args.stop_grace,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Run the one-machine stack (Redis, prefill and decode vLLM, proxy) until Ctrl-C or SIGTERM."""
+    from kvredis.stack import up
+
+    return up(_stack_options(args, args.port))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Start the stack, send completions through it, check them against the prefill engine alone, stop."""
+    from kvredis.stack import demo
+
+    # A demo namespace of its own: entries of other runs sharing KVREDIS_URL's Redis cannot mix in.
+    if not args.namespace:
+        args.namespace = f"kvredis-demo-{uuid.uuid4().hex[:8]}"
+    return demo(_stack_options(args, args.port), count=args.requests, max_tokens=args.max_tokens)
+
+
+def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
+    """An argparse type: ``kind`` parsed from the text, refused unless positive."""
+
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="kvredis", description=__doc__)
@@ -101,6 +184,53 @@ def build_parser() -> argparse.ArgumentParser:
     purge = with_target(commands.add_parser("purge", help="delete a namespace's entries"))
     purge.add_argument("--yes", "-y", action="store_true", help="do not ask first")
     purge.set_defaults(handler=cmd_purge)
+
+    proxy = commands.add_parser("proxy", help="the disaggregation proxy (prefill, then decode)")
+    proxy.add_argument("--prefill", action="append", required=True, metavar="URL",
+                       help="base URL of a prefill vLLM server (repeat for several)")
+    proxy.add_argument("--decode", action="append", required=True, metavar="URL",
+                       help="base URL of a decode vLLM server (repeat for several)")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    proxy.add_argument("--port", type=int, default=9000, help="port to listen on (default: %(default)s)")
+    proxy.add_argument("--policy", choices=("round_robin", "least_outstanding"), default="round_robin",
+                       help="how an instance is chosen (default: %(default)s)")
+    proxy.add_argument("--connect-timeout", type=_positive(float), default=5.0, metavar="S",
+                       help="seconds to connect to an upstream (default: %(default)s)")
+    proxy.add_argument("--prefill-timeout", type=_positive(float), default=300.0, metavar="S",
+                       help="seconds for a prefill answer (default: %(default)s)")
+    proxy.add_argument("--decode-timeout", type=_positive(float), default=300.0, metavar="S",
+                       help="seconds to a decode's first bytes, and between streamed chunks "
+                            "(default: %(default)s)")
+    proxy.set_defaults(handler=cmd_proxy)
+
+    def with_stack(sub: argparse.ArgumentParser, port: int, port_help: str) -> argparse.ArgumentParser:
+        sub.add_argument("--url", help="use this Redis (default: KVREDIS_URL; unset: start one)")
+        sub.add_argument("--namespace", help="namespace (default: KVREDIS_NAMESPACE)")
+        sub.add_argument("--host", default="127.0.0.1",
+                         help="address every part listens on (default: %(default)s)")
+        sub.add_argument("--port", type=int, default=port, help=port_help)
+        sub.add_argument("--engine-command", metavar="CMD",
+                         help="command running a vLLM OpenAI server (default: `vllm serve` of this Python)")
+        sub.add_argument("--engine-arg", action="append", metavar="ARG",
+                         help="extra argument for both vLLM servers (repeat; use --engine-arg=--flag)")
+        sub.add_argument("--startup-timeout", type=_positive(float), default=300.0, metavar="S",
+                         help="seconds each vLLM server may take to become healthy (default: %(default)s)")
+        sub.add_argument("--stop-grace", type=_positive(float), default=20.0, metavar="S",
+                         help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)")
+        sub.add_argument("--log-dir", metavar="DIR",
+                         help="where the logs go (default: a new temporary folder)")
+        return sub
+
+    up = with_stack(commands.add_parser("up", help="run Redis, prefill and decode vLLM and the proxy here"),
+                    9000, "proxy port (default: %(default)s; 0: any free port)")
+    up.add_argument("--model", help="model for both engines (default: a tiny Llama written locally)")
+    up.set_defaults(handler=cmd_up)
+    demo = with_stack(commands.add_parser("demo", help="the stack, a few checked completions, stop"),
+                      0, "proxy port (default: any free port)")
+    demo.add_argument("--requests", type=_positive(int), default=6, help="how many (default: %(default)s)")
+    demo.add_argument("--max-tokens", type=_positive(int), default=16,
+                      help="tokens generated per request (default: %(default)s)")
+    demo.set_defaults(handler=cmd_demo)
     return parser
 
 
