@@ -25,7 +25,7 @@ from kvredis import codec
 from kvredis.client import RedisStore, WrongTypeError
 from kvredis.config import KVRedisConfig
 from kvredis.errors import CodecError, EntryTooLargeError, KVRedisError, KVRedisTimeoutError
-from kvredis.keys import CacheIdentity, EntryKeys, KeySpace, canonical_roi, canonical_tokens
+from kvredis.keys import CacheIdentity, EntryKeys, KeySpace, Prompt
 from kvredis.metrics import Metrics
 
 logger = logging.getLogger("kvredis.buffer")
@@ -73,9 +73,9 @@ class RedisLookupBuffer:
         """
         self._check_open()
         started = time.perf_counter()
-        tokens = torch.from_numpy(canonical_tokens(input_tokens))
-        mask = torch.from_numpy(canonical_roi(roi, tokens.numel())).to(torch.bool)
-        keys = self.keyspace.entry(tokens, mask)
+        prompt = Prompt.of(input_tokens, roi)
+        tokens, mask = torch.from_numpy(prompt.tokens), torch.from_numpy(prompt.mask).to(torch.bool)
+        keys = self.keyspace.keys_for(prompt)
         tensors = [tokens, mask, key, value, hidden]
         size = codec.payload_size(tensors)
         if size > self.config.max_entry_bytes:
@@ -123,9 +123,9 @@ class RedisLookupBuffer:
         self._check_open()
         if input_tokens is None:
             raise ValueError("drop_select needs input_tokens: entries are looked up by their tokens")
-        tokens = torch.from_numpy(canonical_tokens(input_tokens))
-        mask = torch.from_numpy(canonical_roi(roi, tokens.numel())).to(torch.bool)
-        keys = self.keyspace.entry(tokens, mask)
+        prompt = Prompt.of(input_tokens, roi)
+        tokens, mask = torch.from_numpy(prompt.tokens), torch.from_numpy(prompt.mask).to(torch.bool)
+        keys = self.keyspace.keys_for(prompt)
         started = time.perf_counter()
         deadline = time.monotonic() + self.config.pop_timeout_s
         cause = "absent"

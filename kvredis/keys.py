@@ -68,15 +68,29 @@ def canonical_roi(roi: Any, num_tokens: int) -> np.ndarray:
     return np.ascontiguousarray(mask != 0, dtype=np.uint8)
 
 
+@dataclass(frozen=True, eq=False)
+class Prompt:
+    """A prompt in canonical form (int64 tokens, uint8 roi mask) and its blake2b digest, computed once."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    digest: str
+
+    @classmethod
+    def of(cls, input_tokens: Any, roi: Any = None) -> Prompt:
+        """Canonicalise and hash tokens (tensor on any device, array or sequence) and a roi mask."""
+        tokens = canonical_tokens(input_tokens)
+        mask = canonical_roi(roi, tokens.shape[0])
+        hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-prompt")
+        hasher.update(tokens.shape[0].to_bytes(8, "little"))
+        hasher.update(tokens.data.cast("B"))
+        hasher.update(mask.data)
+        return cls(tokens, mask, hasher.hexdigest())
+
+
 def prompt_digest(input_tokens: Any, roi: Any = None) -> str:
     """The blake2b hex digest of the canonical tokens and roi mask."""
-    tokens = canonical_tokens(input_tokens)
-    mask = canonical_roi(roi, tokens.shape[0])
-    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-prompt")
-    hasher.update(tokens.shape[0].to_bytes(8, "little"))
-    hasher.update(tokens.data.cast("B"))
-    hasher.update(mask.data)
-    return hasher.hexdigest()
+    return Prompt.of(input_tokens, roi).digest
 
 
 @dataclass(frozen=True)
@@ -120,3 +134,7 @@ class KeySpace:
     def entry(self, input_tokens: Any, roi: Any = None) -> EntryKeys:
         """The keys for a prompt's entries."""
         return EntryKeys(self.prefix, prompt_digest(input_tokens, roi))
+
+    def keys_for(self, prompt: Prompt) -> EntryKeys:
+        """The keys for an already canonical prompt's entries."""
+        return EntryKeys(self.prefix, prompt.digest)

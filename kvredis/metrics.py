@@ -59,6 +59,17 @@ class Metrics:
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._series = _series()
+        # Looking a labelled child up costs more than the increment: the hot ones are bound once.
+        self._hot = {}
+        if self._series:
+            self._hot = {
+                "stored": self._series["stored"].labels(namespace),
+                "loaded": self._series["loaded"].labels(namespace),
+                "bytes_stored": self._series["bytes"].labels(namespace, "stored"),
+                "bytes_loaded": self._series["bytes"].labels(namespace, "loaded"),
+                "store_seconds": self._series["store_seconds"].labels(namespace),
+                "load_seconds": self._series["load_seconds"].labels(namespace),
+            }
 
     def _add(self, name: str, amount: float = 1) -> None:
         with self._lock:
@@ -66,21 +77,23 @@ class Metrics:
 
     def stored(self, nbytes: int, seconds: float) -> None:
         """One entry written."""
-        self._add("stored")
-        self._add("bytes_stored", nbytes)
-        if self._series:
-            self._series["stored"].labels(self.namespace).inc()
-            self._series["bytes"].labels(self.namespace, "stored").inc(nbytes)
-            self._series["store_seconds"].labels(self.namespace).observe(seconds)
+        with self._lock:
+            self.counts["stored"] += 1
+            self.counts["bytes_stored"] += nbytes
+        if self._hot:
+            self._hot["stored"].inc()
+            self._hot["bytes_stored"].inc(nbytes)
+            self._hot["store_seconds"].observe(seconds)
 
     def loaded(self, nbytes: int, seconds: float) -> None:
         """One entry read back (a hit)."""
-        self._add("loaded")
-        self._add("bytes_loaded", nbytes)
-        if self._series:
-            self._series["loaded"].labels(self.namespace).inc()
-            self._series["bytes"].labels(self.namespace, "loaded").inc(nbytes)
-            self._series["load_seconds"].labels(self.namespace).observe(seconds)
+        with self._lock:
+            self.counts["loaded"] += 1
+            self.counts["bytes_loaded"] += nbytes
+        if self._hot:
+            self._hot["loaded"].inc()
+            self._hot["bytes_loaded"].inc(nbytes)
+            self._hot["load_seconds"].observe(seconds)
 
     def miss(self, cause: str) -> None:
         """One lookup that found nothing usable, and why (one of :data:`MISS_CAUSES`)."""
