@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
@@ -56,6 +59,22 @@ TRANSFER_PARAM = "kvredis"
 """The key under which the producer announces an entry in ``kv_transfer_params``."""
 
 _SHUTDOWN_WAIT_S = 30.0
+_LOOKUP_PAUSE_S = 10.0
+"""After a failed lookup, the scheduler computes prompts without asking Redis for this long."""
+
+STATS = {
+    "loaded_requests": "Requests whose prompt KV was loaded from Redis",
+    "loaded_tokens": "Prompt tokens loaded from Redis instead of computed",
+    "load_failures": "Announced or found entries that could not be loaded (their tokens were recomputed)",
+    "failed_tokens": "Prompt tokens that were to be loaded but were recomputed",
+    "saved_requests": "Prompts whose KV was stored in Redis",
+    "saved_tokens": "Prompt tokens whose KV was stored in Redis",
+    "save_failures": "Prompts whose KV could not be stored in Redis",
+    "lookup_errors": "Scheduler lookups in Redis that failed (Redis down or slow)",
+}
+"""The connector's counters, reported through vLLM's KV-connector stats: vLLM logs them ("KV Transfer
+metrics") and serves them on ``/metrics`` as ``vllm:kvredis_<name>_total``. Worker counts are summed over
+tensor-parallel ranks (each rank moves its own shard)."""
 
 
 def check_vllm_version(version: str) -> None:
@@ -93,14 +112,27 @@ class KVRedisConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class _Capture:
+    """A prompt's pages copied out of the layers during its last prefill step: ``[layers, pages, ...]``."""
+
+    pages: torch.Tensor
+    layers: set[str] = field(default_factory=set)
+    broken: bool = False
+
+
+@dataclass
 class _Prefill:
     token_ids: list[int]
     block_ids: list[int]
     computed: int
 
 
-def cache_identity(vllm_config: VllmConfig, tp_rank: int) -> CacheIdentity:
-    """What decides whether a stored KV cache fits this engine, computed alike by scheduler and workers."""
+def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0) -> CacheIdentity:
+    """What decides whether a stored KV cache fits this engine, computed alike by scheduler and workers.
+
+    Each tensor- and pipeline-parallel rank stores and loads its own shard of the layers under its own key
+    (the scheduler, which has no rank, looks up rank 0's).
+    """
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     parallel = vllm_config.parallel_config
@@ -115,7 +147,8 @@ def cache_identity(vllm_config: VllmConfig, tp_rank: int) -> CacheIdentity:
     layout = ":".join([
         _platform(), _cpu_isa(kv_dtype, cache_config.block_size, head_size),
         str(getattr(cache_config, "kv_cache_layout", None) or "default"),
-        "mla" if use_mla else "mha", f"h{heads}", f"d{head_size}", f"pp{parallel.pipeline_parallel_size}",
+        "mla" if use_mla else "mha", f"h{heads}", f"d{head_size}",
+        f"pp{pp_rank}/{parallel.pipeline_parallel_size}",
     ])
     return CacheIdentity(
         model=str(model_config.model),
@@ -156,6 +189,83 @@ def _worker_tp_rank() -> int:
         return 0
 
 
+def _worker_pp_rank() -> int:
+    """This worker's pipeline stage: stages hold different layers, so they must not share entries."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+    except (ImportError, AssertionError, RuntimeError, AttributeError):
+        return 0
+
+
+# -- stats ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVRedisStats(KVConnectorStats):
+    """Counts of :data:`STATS` since the last report; vLLM ships them from workers to its stat loggers."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVRedisStats:
+        for name, value in (other.data or {}).items():
+            self.data[name] = self.data.get(name, 0) + int(value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: int(self.data[name]) for name in STATS if self.data.get(name)}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVRedisPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvredis_<name>_total`` counters on vLLM's ``/metrics``, one series per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._series = {
+            name: {
+                engine: counter.labels(*values)
+                for engine, values in per_engine_labelvalues.items()
+            }
+            for name, counter in (
+                (name, self._counter_cls(name=f"vllm:kvredis_{name}", documentation=help_text,
+                                         labelnames=labelnames))
+                for name, help_text in STATS.items()
+            )
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            series = self._series.get(name, {}).get(engine_idx)
+            if series is not None and value:
+                series.inc(value)
+
+
+class _Counts:
+    """Thread-safe counts of :data:`STATS`, taken (and reset) by ``get_kv_connector_stats``."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, **amounts: int) -> None:
+        with self._lock:
+            self._counts.update(amounts)
+
+    def take(self) -> KVRedisStats | None:
+        with self._lock:
+            if not any(self._counts.values()):
+                return None
+            data = dict(self._counts)
+            self._counts.clear()
+        return KVRedisStats(data=data)
+
+
 # -- the connector --------------------------------------------------------------------------------
 
 
@@ -171,11 +281,21 @@ class KVRedisConnector(KVConnectorBase_V1):
         self._producer = bool(transfer.is_kv_producer)
         self._consumer = bool(transfer.is_kv_consumer)
         self._block_size = int(vllm_config.cache_config.block_size)
-        tp_rank = _worker_tp_rank() if role == KVConnectorRole.WORKER else 0
-        self.identity = cache_identity(vllm_config, tp_rank)
-        self.buffer = RedisLookupBuffer(self.config, identity=self.identity)
+        worker = role == KVConnectorRole.WORKER
+        self.identity = cache_identity(vllm_config, _worker_tp_rank() if worker else 0,
+                                       _worker_pp_rank() if worker else 0)
+        buffer_config = self.config
+        if not worker:
+            # The scheduler only looks entries up, inside vLLM's scheduling loop: the store bounds the reply
+            # by KVREDIS_LOOKUP_TIMEOUT_S, and opening a connection to an unreachable Redis must not take
+            # longer than that either.
+            buffer_config = self.config.replace(
+                connect_timeout_s=min(self.config.connect_timeout_s, self.config.lookup_timeout_s))
+        self.buffer = RedisLookupBuffer(buffer_config, identity=self.identity)
         self.metrics = self.buffer.metrics
+        self.counts = _Counts()
         # Scheduler side.
+        self._lookups_paused_until = 0.0
         self._pending_loads: dict[str, TransferSpec] = {}
         self._loading: set[str] = set()
         self._loaded_once: set[str] = set()
@@ -184,9 +304,13 @@ class KVRedisConnector(KVConnectorBase_V1):
         # Worker side.
         self._layers: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, PagedLayout] = {}
-        self._gathered: dict[str, dict[str, torch.Tensor]] = {}
+        self._layer_index: dict[str, int] = {}
+        self._gathered: dict[str, _Capture] = {}
         self._slots: dict[str, torch.Tensor] = {}
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvredis")
+        # Loads may wait in a blocking pop for an entry still being written; saves have their own threads
+        # so that waiting loads never hold them up (kv_both), nor saves the loads.
+        self._load_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvredis-load")
+        self._save_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvredis-save")
         self._saves_in_flight: set[Future[None]] = set()
         self._lock = threading.Lock()
         self._received: set[str] = set()
@@ -207,13 +331,17 @@ class KVRedisConnector(KVConnectorBase_V1):
         if loadable <= num_computed_tokens:
             return 0, False
         if not _announced(request.kv_transfer_params):
+            if time.monotonic() < self._lookups_paused_until:
+                return 0, False
             try:
                 if not self.buffer.contains(tokens):
                     return 0, False
             except KVRedisError as exc:
+                self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
                 self.metrics.miss("error")
-                logger.warning("request %s: cannot look up its KV in Redis, computing it: %s",
-                               request.request_id, exc)
+                self.counts.add(lookup_errors=1)
+                logger.warning("request %s: cannot look up its KV in Redis, computing it (and not looking "
+                               "prompts up for %g s): %s", request.request_id, _LOOKUP_PAUSE_S, exc)
                 return 0, False
         return loadable - num_computed_tokens, True
 
@@ -239,7 +367,10 @@ class KVRedisConnector(KVConnectorBase_V1):
 
     def _completed_prefills(self, scheduler_output: Any) -> list[TransferSpec]:
         for new in scheduler_output.scheduled_new_reqs:
-            if new.prompt_token_ids and new.req_id not in self._loaded_once:
+            # A one-token prompt has nothing a decoder could load (it computes the last token itself); a
+            # request already saved comes back here when vLLM 0.34 resumes it after preemption.
+            if (new.prompt_token_ids is not None and len(new.prompt_token_ids) > 1
+                    and new.req_id not in self._loaded_once and new.req_id not in self._saved):
                 self._prefills[new.req_id] = _Prefill(
                     _token_list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
@@ -286,13 +417,14 @@ class KVRedisConnector(KVConnectorBase_V1):
         """Remember each layer's paged tensor and its layout (the order is the layer order)."""
         self._layers = dict(kv_caches)
         self._layouts = {name: PagedLayout.of(tensor) for name, tensor in kv_caches.items()}
+        self._layer_index = {name: index for index, name in enumerate(self._layers)}
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start this step's loads on background threads; they finish through ``get_finished``."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRedisConnectorMetadata)
         for spec in meta.loads:
-            self._pool.submit(self._load, spec)
+            self._load_pool.submit(self._load, spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: loads are asynchronous and finish before the request is scheduled."""
@@ -304,10 +436,27 @@ class KVRedisConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVRedisConnectorMetadata) or not meta.saves:
             return
-        layout = self._layouts.get(layer_name) or PagedLayout.of(kv_layer)
+        index = self._layer_index.get(layer_name)
+        if index is None:  # not a layer registered with a paged cache
+            return
+        layout = self._layouts[layer_name]
         for spec in meta.saves:
             pages = layout.kernel_blocks(self._prompt_blocks(spec), self._block_size)
-            self._gathered.setdefault(spec.req_id, {})[layer_name] = layout.gather(kv_layer, pages).to("cpu")
+            capture = self._gathered.get(spec.req_id)
+            if capture is None:
+                # One buffer for every layer: the pages are copied once, straight into what is stored.
+                shape = (len(self._layer_index), len(pages), *layout.page_shape)
+                capture = self._gathered[spec.req_id] = _Capture(torch.empty(shape, dtype=kv_layer.dtype))
+            try:
+                if kv_layer.device.type == "cpu":
+                    torch.index_select(kv_layer, 0, pages, out=capture.pages[index])
+                else:
+                    capture.pages[index].copy_(layout.gather(kv_layer, pages))
+            except RuntimeError as exc:  # a layer whose pages differ from the first one's
+                capture.broken = True
+                logger.warning("request %s: cannot copy the pages of %s: %s", spec.req_id, layer_name, exc)
+            else:
+                capture.layers.add(layer_name)
 
     def _prompt_blocks(self, spec: TransferSpec) -> list[int]:
         return [spec.block_ids[i] for i in block_span(self._block_size, spec.start, spec.stop)]
@@ -318,14 +467,14 @@ class KVRedisConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVRedisConnectorMetadata):
             return
         for spec in meta.saves:
-            layers = self._gathered.pop(spec.req_id, {})
-            names = list(self._layers) or list(layers)
-            if not layers or any(name not in layers for name in names):
+            capture = self._gathered.pop(spec.req_id, None)
+            captured = len(capture.layers) if capture is not None else 0
+            if capture is None or capture.broken or captured != len(self._layer_index):
+                self.counts.add(save_failures=1)
                 logger.warning("request %s: KV of %d of %d layers captured, not saving it",
-                               spec.req_id, len(layers), len(names))
+                               spec.req_id, captured, len(self._layer_index))
                 continue
-            pages = torch.stack([layers[name] for name in names])
-            future = self._pool.submit(self._save, spec, pages)
+            future = self._save_pool.submit(self._save, spec, capture.pages)
             with self._lock:
                 self._saves_in_flight.add(future)
             future.add_done_callback(self._forget_save)
@@ -338,8 +487,15 @@ class KVRedisConnector(KVConnectorBase_V1):
         try:
             self.buffer.insert(torch.tensor(spec.token_ids, dtype=torch.long), None, pages, None, None)
         except KVRedisError as exc:
+            self.counts.add(save_failures=1)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
                            len(spec.token_ids), exc)
+        except Exception:  # on a writer thread nobody waits for: say so, or it vanishes in its future
+            self.counts.add(save_failures=1)
+            logger.exception("request %s: unexpected error saving KV of %d tokens to Redis", spec.req_id,
+                             len(spec.token_ids))
+        else:
+            self.counts.add(saved_requests=1, saved_tokens=len(spec.token_ids))
 
     def _load(self, spec: TransferSpec) -> None:
         try:
@@ -349,11 +505,14 @@ class KVRedisConnector(KVConnectorBase_V1):
         except Exception as exc:  # a load must never take the engine down: recompute instead.
             logger.exception("request %s: unexpected error loading KV", spec.req_id)
             cause = f"{type(exc).__name__}: {exc}"
+        tokens = spec.stop - spec.start
         with self._lock:
             if cause is None:
                 self._received.add(spec.req_id)
+                self.counts.add(loaded_requests=1, loaded_tokens=tokens)
                 return
             self._failed[spec.req_id] = set(self._prompt_blocks(spec))
+            self.counts.add(load_failures=1, failed_tokens=tokens)
         logger.warning("request %s: KV of %d tokens not loaded from Redis (%s); vLLM recomputes them",
                        spec.req_id, spec.stop - spec.start, cause)
 
@@ -400,13 +559,31 @@ class KVRedisConnector(KVConnectorBase_V1):
             self._failed.clear()
         return blocks
 
+    # -- stats ----------------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVRedisStats | None:
+        """Counts since the last call (vLLM calls it every step, on the workers and the scheduler)."""
+        return self.counts.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVRedisStats:
+        """Rebuild the stats vLLM shipped as a dict (in its stat loggers' process)."""
+        return KVRedisStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVRedisPromMetrics:
+        """The ``vllm:kvredis_*`` counters of ``/metrics``."""
+        return KVRedisPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         """Let saves in flight finish (bounded), then close the Redis connections."""
         with self._lock:
             pending = set(self._saves_in_flight)
         if pending:
             wait_futures(pending, timeout=_SHUTDOWN_WAIT_S)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._save_pool.shutdown(wait=False, cancel_futures=True)
         self.buffer.close()
 
 

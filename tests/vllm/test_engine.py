@@ -1,0 +1,381 @@
+"""Real vLLM engines: a prefill engine (kv_producer) and a decode engine (kv_consumer), separate processes
+sharing one real Redis, checked against a third engine with no connector.
+
+Each request goes as kvredis's proxy sends it: to prefill with ``max_tokens=1`` and ``kv_transfer_params``,
+then the original request, with the ``kv_transfer_params`` of the prefill answer, to decode. The Redis
+is a ``redis-server`` this module starts (tests/redis_servers.py), so that one test can stop it; nothing
+touches the machine's shared Redis. Engines start once for the module (40-90 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
+
+import requests
+import torch
+from conftest import BLOCK_SIZE
+from redis_servers import RedisServer, free_port
+
+from kvredis import codec
+from kvredis.tinymodel import prompt_text
+from kvredis.vllm import TRANSFER_PARAM
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 120.0
+DECODE_TOKENS = 8
+POP_TIMEOUT_S = 3.0
+LENGTHS = [5, 20, 31, 32, 33, 64, 65, 100, 257, 513, 1000, 1500]
+"""Prompt lengths: shorter than a block (5, 20, 31), whole blocks (32, 64), k*32+1 (33, 65, 257, 513),
+~1000 tokens and more."""
+
+
+@dataclass
+class Server:
+    """One ``vllm.entrypoints.openai.api_server`` process; its output goes to ``log``."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    model: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"{self.name} engine exited ({self.process.returncode}):\n{self.log_tail()}")
+        try:
+            return requests.get(f"{self.url}/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def complete(self, prompt: list[int], max_tokens: int = DECODE_TOKENS,
+                 params: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt_text(prompt), "max_tokens": max_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        if params is not None:
+            body["kv_transfer_params"] = params
+        reply = requests.post(f"{self.url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert reply.status_code == 200, f"{self.name}: {reply.status_code} {reply.text[:500]}"
+        answer = reply.json()
+        assert answer["usage"]["prompt_tokens"] == len(prompt)
+        return answer
+
+    def counters(self) -> dict[str, float]:
+        """The ``vllm:kvredis_*_total`` counters of ``/metrics``, summed over label sets."""
+        text = requests.get(f"{self.url}/metrics", timeout=10).text
+        totals: dict[str, float] = {}
+        for match in re.finditer(r"^vllm:kvredis_(\w+)_total\{[^}]*\} (\S+)$", text, re.MULTILINE):
+            totals[match[1]] = totals.get(match[1], 0.0) + float(match[2])
+        return totals
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the engine core and worker too
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+
+
+def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any] | None,
+                 single_process: bool = False) -> Server:
+    """Start an engine. ``single_process`` runs its worker inside the engine core process (one process
+    less to start on 2 cores); the engines with the connector keep vLLM's default processes."""
+    port = free_port()
+    log = folder / f"{name}.log"
+    # The engines import the kvredis under test (this checkout), whatever the environment has installed.
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--seed", "0",
+            "--enable-prompt-tokens-details"]
+    if kv_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_config)]
+    if single_process:
+        args += ["--distributed-executor-backend", "uni"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=env, cwd=REPO)
+    return Server(name, process, port, log, str(model))
+
+
+@dataclass
+class Deployment:
+    prefill: Server
+    decode: Server
+    reference: Server
+    redis: RedisServer
+    namespace: str
+
+    def keys(self) -> list[bytes]:
+        client = self.redis.client()
+        try:
+            return sorted(client.scan_iter(match=f"{self.namespace}:*", count=1000))
+        finally:
+            client.close()
+
+    def wait_for_entry(self, timeout_s: float = 10.0) -> bytes:
+        """The list key of the one entry the prefill engine is writing, once its record is in Redis."""
+        client = self.redis.client()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                queues = [key for key in client.scan_iter(match=f"{self.namespace}:*:q") if client.llen(key)]
+                if queues:
+                    assert len(queues) == 1, queues
+                    return queues[0]
+                assert time.monotonic() < deadline, "the prefill engine stored no entry"
+                time.sleep(0.01)
+        finally:
+            client.close()
+
+    def prefill_params(self, prompt: list[int]) -> dict[str, Any]:
+        """Prefill as the proxy does; the kv_transfer_params of the answer."""
+        answer = self.prefill.complete(prompt, max_tokens=1,
+                                       params={"do_remote_decode": True, "do_remote_prefill": False})
+        params = answer.get("kv_transfer_params")
+        assert isinstance(params, dict) and TRANSFER_PARAM in params, answer
+        return params
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    folder = tmp_path_factory.mktemp("engines")
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(f"the engine tests need redis-server on the PATH: {exc}")
+    server.start()
+    namespace = "t-engine-" + uuid.uuid4().hex[:10]
+
+    def kv_config(role: str) -> dict[str, Any]:
+        return {"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
+                "kv_role": role, "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"url": server.url, "namespace": namespace,
+                                              "pop_timeout_s": POP_TIMEOUT_S}}
+
+    servers = [start_server("prefill", tiny_model, folder, kv_config("kv_producer")),
+               start_server("decode", tiny_model, folder, kv_config("kv_consumer")),
+               start_server("reference", tiny_model, folder, None, single_process=True)]
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = list(servers)
+        while waiting:
+            waiting = [s for s in waiting if not s.ready()]
+            if waiting and time.monotonic() > deadline:
+                raise RuntimeError("engines not ready in time:\n"
+                                   + "\n".join(f"{s.name}:\n{s.log_tail()}" for s in waiting))
+            time.sleep(0.5)
+        yield Deployment(*servers, redis=server, namespace=namespace)
+    finally:
+        for engine in servers:
+            engine.stop()
+        server.__exit__(None, None, None)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 1024, (length,), generator=generator).tolist()
+
+
+def reference_answers(deployment: Deployment, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """The engine without connector's answers, all at once (engines idling after work spin their cores
+    for about a second, so alternating between three engines on two cores would crawl)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(deployment.reference.complete, prompts))
+
+
+def tokens_of(answer: dict[str, Any]) -> list[int]:
+    """The generated token IDs (the text drops special tokens such as EOS)."""
+    return list(answer["choices"][0]["token_ids"])
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    return {name: int(after.get(name, 0) - before.get(name, 0))
+            for name in set(before) | set(after) if after.get(name, 0) != before.get(name, 0)}
+
+
+def wait_counters(server: Server, before: dict[str, float], expected: dict[str, int],
+                  timeout_s: float = 10.0) -> dict[str, int]:
+    """The counters' change once it reaches ``expected`` (vLLM publishes stats after each step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        delta = counter_delta(before, server.counters())
+        if all(delta.get(name, 0) >= value for name, value in expected.items()):
+            return delta
+        if time.monotonic() > deadline:
+            return delta
+        time.sleep(0.1)
+
+
+# -- the decode output is the same, and its KV came from Redis ---------------------------------------
+
+
+def test_decode_matches_an_engine_without_connector_and_loads_every_prompt(deployment: Deployment) -> None:
+    decode_before, prefill_before = deployment.decode.counters(), deployment.prefill.counters()
+    prompts = [prompt_of(length, seed=length) for length in LENGTHS]
+    references = reference_answers(deployment, prompts)
+    for prompt, expected in zip(prompts, references, strict=True):
+        params = deployment.prefill_params(prompt)
+        decoded = deployment.decode.complete(prompt, params=params)
+        assert tokens_of(decoded) == tokens_of(expected), f"{len(prompt)} tokens"
+        assert len(tokens_of(decoded)) == DECODE_TOKENS
+        assert cached_tokens(decoded) == len(prompt) - 1, f"{len(prompt)} tokens: KV not loaded"
+        assert cached_tokens(expected) == 0  # every prompt is new to the reference engine
+    loaded = sum(len(p) - 1 for p in prompts)
+    decode_delta = wait_counters(deployment.decode, decode_before,
+                                 {"loaded_requests": len(prompts), "loaded_tokens": loaded})
+    assert decode_delta == {"loaded_requests": len(prompts), "loaded_tokens": loaded}
+    deployment.prefill.complete([7], max_tokens=1)  # one more engine step reports the last save
+    prefill_delta = wait_counters(deployment.prefill, prefill_before,
+                                  {"saved_requests": len(prompts), "saved_tokens": loaded + len(prompts)})
+    assert prefill_delta == {"saved_requests": len(prompts), "saved_tokens": loaded + len(prompts)}
+    assert deployment.keys() == []
+
+
+def test_concurrent_requests_are_batched_and_all_loaded(deployment: Deployment) -> None:
+    """Eight prefills at once, then eight decodes at once: loads overlap and land in a shared batch."""
+    prompts = [prompt_of(length, seed=1000 + length) for length in (40, 90, 128, 129, 200, 333, 480, 700)]
+    before = deployment.decode.counters()
+    expected = reference_answers(deployment, prompts)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        params = list(pool.map(deployment.prefill_params, prompts))
+        decoded = list(pool.map(lambda pair: deployment.decode.complete(pair[0], params=pair[1]),
+                                zip(prompts, params, strict=True)))
+    for prompt, got, want in zip(prompts, decoded, expected, strict=True):
+        assert tokens_of(got) == tokens_of(want), f"{len(prompt)} tokens"
+        assert cached_tokens(got) == len(prompt) - 1
+    delta = wait_counters(deployment.decode, before, {"loaded_requests": len(prompts)})
+    assert delta.get("loaded_requests") == len(prompts) and "load_failures" not in delta
+    assert deployment.keys() == []
+
+
+# -- the loaded KV is really used ------------------------------------------------------------------
+
+
+def _rewrite_record(deployment: Deployment, queue: bytes, change: Any) -> None:
+    """Replace the entry's record (one record: the test prompts are under KVREDIS_CHUNK_BYTES)."""
+    client = deployment.redis.client()
+    try:
+        (record,) = client.lrange(queue, 0, -1)
+        client.lset(queue, 0, change(record))
+    finally:
+        client.close()
+
+
+def test_a_corrupted_entry_is_rejected_and_the_prompt_recomputed(deployment: Deployment) -> None:
+    """One flipped bit in the stored pages: the CRC rejects the entry and the decode engine recomputes."""
+    prompt = prompt_of(100, seed=77)
+    (expected,) = reference_answers(deployment, [prompt])
+    before = deployment.decode.counters()
+    params = deployment.prefill_params(prompt)
+    queue = deployment.wait_for_entry()
+
+    def flip(record: bytes) -> bytes:
+        header = codec.read_header(record, max_payload_bytes=1 << 30)
+        changed = bytearray(record)
+        changed[header.payload_offset + header.payload_nbytes // 2] ^= 0x01
+        return bytes(changed)
+
+    _rewrite_record(deployment, queue, flip)
+    decoded = deployment.decode.complete(prompt, params=params)
+    assert tokens_of(decoded) == tokens_of(expected)
+    assert cached_tokens(decoded) == 0
+    delta = wait_counters(deployment.decode, before, {"load_failures": 1})
+    assert delta == {"load_failures": 1, "failed_tokens": 99}
+    assert deployment.keys() == []
+
+
+def test_a_consistently_altered_entry_changes_the_output(deployment: Deployment) -> None:
+    """Pages replaced by other values, re-encoded with valid checksums: decode uses them, so its output
+    differs from the reference. (With the true pages it is equal: the first test.)"""
+    prompt = prompt_of(100, seed=78)
+    expected = tokens_of(reference_answers(deployment, [prompt])[0])
+    before = deployment.decode.counters()
+    params = deployment.prefill_params(prompt)
+    queue = deployment.wait_for_entry()
+
+    def alter(record: bytes) -> bytes:
+        tensors, meta = codec.decode(record, max_payload_bytes=1 << 30)
+        pages = tensors[2]
+        assert pages is not None and pages.shape[1] == -(-len(prompt) // BLOCK_SIZE)
+        generator = torch.Generator().manual_seed(0)
+        tensors[2] = torch.randn(pages.shape, generator=generator, dtype=pages.dtype) * pages.std() * 4
+        return codec.encode(tensors, meta, checksum=True).to_bytes()
+
+    _rewrite_record(deployment, queue, alter)
+    decoded = deployment.decode.complete(prompt, params=params)
+    assert cached_tokens(decoded) == len(prompt) - 1  # accepted and loaded ...
+    assert tokens_of(decoded) != expected  # ... and used
+    delta = wait_counters(deployment.decode, before, {"loaded_requests": 1})
+    assert delta == {"loaded_requests": 1, "loaded_tokens": 99}
+    assert deployment.keys() == []
+
+
+# -- Redis down ------------------------------------------------------------------------------------
+
+
+def test_with_redis_stopped_decode_recomputes_and_warns(deployment: Deployment) -> None:
+    prompt, other, after = prompt_of(150, seed=79), prompt_of(60, seed=80), prompt_of(120, seed=81)
+    expected = [tokens_of(answer) for answer in reference_answers(deployment, [prompt, other, after])]
+    params = deployment.prefill_params(prompt)
+    deployment.wait_for_entry()
+    before = deployment.decode.counters()
+    deployment.redis.stop()
+    try:
+        decoded = deployment.decode.complete(prompt, params=params)
+        assert tokens_of(decoded) == expected[0]
+        assert cached_tokens(decoded) == 0
+        request_id = decoded["id"]  # vLLM's internal id is this, a dash and a suffix
+        deadline = time.monotonic() + 10
+        while not re.search(rf"request {re.escape(request_id)}-\S*: KV of 149 tokens not loaded from Redis",
+                            deployment.decode.log_text()):
+            assert time.monotonic() < deadline, deployment.decode.log_tail()
+            time.sleep(0.1)
+        # Not announced: the scheduler's own lookup fails, fast, and the prompt is computed.
+        started = time.monotonic()
+        answer = deployment.decode.complete(other)
+        assert time.monotonic() - started < 5.0
+        assert tokens_of(answer) == expected[1]
+        delta = wait_counters(deployment.decode, before, {"load_failures": 1, "lookup_errors": 1})
+        assert delta == {"load_failures": 1, "failed_tokens": 149, "lookup_errors": 1}
+    finally:
+        deployment.redis.start()  # empty: what the stopped server held is gone
+    # Both engines reconnect by themselves once Redis is back.
+    params = deployment.prefill_params(after)
+    decoded = deployment.decode.complete(after, params=params)
+    assert cached_tokens(decoded) == len(after) - 1
+    assert tokens_of(decoded) == expected[2]
+    assert deployment.keys() == []

@@ -1,0 +1,558 @@
+"""KVRedisConnector under vLLM's real V1 ``Scheduler``, with worker-role connectors fed synthetic pages.
+
+Each test drives two "engines" against one real Redis: a producer (kv_producer) and a consumer
+(kv_consumer), each a real ``vllm.v1.core.sched.scheduler.Scheduler`` (which builds the scheduler-role
+connector from ``kv_connector_module_path``) plus a worker-role ``KVRedisConnector`` holding paged layer
+tensors ``[num_blocks, heads, block_size, 2 * head_size]``. :class:`Engine.step` plays vLLM's model
+runner: bind the metadata, "compute" the scheduled tokens (each token's KV is a function of its id,
+position and layer, so a page's bytes say where they came from), call ``save_kv_layer`` per layer,
+``start_load_kv``, ``wait_for_save``, ``get_finished`` and ``get_block_ids_with_load_errors``, and hand
+the scheduler a ``ModelRunnerOutput``. Every test ends with no request, block or Redis key left over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
+
+import redis
+import torch
+from conftest import BLOCK_SIZE
+from redis_servers import RedisServer
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvredis import codec
+from kvredis.buffer import RedisLookupBuffer
+from kvredis.config import KVRedisConfig
+from kvredis.vllm import TRANSFER_PARAM, KVRedisConnector
+
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+HEADS, WIDTH = 2, 128  # the tiny model's KV heads and 2 * head_size
+NUM_BLOCKS = 64
+MAX_LEN = 1024
+TOKEN_BUDGET = 128  # prompts longer than this prefill in several chunks
+SAMPLED = 7  # the token every fake forward "samples" (not EOS)
+STEP_TIMEOUT_S = 10.0
+
+init_none_hash(sha256)
+
+
+def kv_values(tokens: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    """The KV a fake forward writes for tokens at positions: ``[n, HEADS, WIDTH]``, unique per input."""
+    lane = torch.arange(HEADS * WIDTH, dtype=torch.float32).reshape(1, HEADS, WIDTH)
+    return (tokens.float().reshape(-1, 1, 1) + positions.float().reshape(-1, 1, 1) / 1024.0
+            + lane / 65536.0 + layer * 2048.0)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a.view(torch.int32), b.view(torch.int32)))
+
+
+@dataclasses.dataclass
+class Engine:
+    """One scheduler and one worker-role connector, stepped like vLLM's engine core and model runner."""
+
+    scheduler: Scheduler
+    worker: KVRedisConnector
+    layers: dict[str, torch.Tensor]
+    redis_url: str
+    namespace: str
+    stats: Counter[str] = dataclasses.field(default_factory=Counter)  # kv_connector_stats, as vLLM logs them
+    finished: dict[str, Any] = dataclasses.field(default_factory=dict)  # request id -> final output
+    recved: set[str] = dataclasses.field(default_factory=set)  # reported in finished_recving
+    invalid_blocks: list[set[int]] = dataclasses.field(default_factory=list)
+    snapshots: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    new_reqs: dict[str, Any] = dataclasses.field(default_factory=dict)  # first NewRequestData per id
+    scheduled: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # tokens per step, by id
+    _blocks: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def connector(self) -> KVRedisConnector:
+        """The scheduler-role connector vLLM built."""
+        connector = self.scheduler.connector
+        assert isinstance(connector, KVRedisConnector)
+        return connector
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2,
+            params: dict[str, Any] | None = None) -> Request:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                  extra_args={"kv_transfer_params": params} if params is not None else None)
+        sampling.update_from_generation_config({}, 2)
+        request = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sampling,
+                          pooling_params=None, mm_features=None,
+                          block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+        self.scheduler.add_request(request)
+        return request
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def free_blocks(self) -> int:
+        return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def step(self) -> Any:
+        """One engine step; returns the scheduler output."""
+        output = self.scheduler.schedule()
+        worker = self.worker
+        worker.bind_connector_metadata(output.kv_connector_metadata)
+        forward_context = SimpleNamespace(attn_metadata=None, no_compile_layers={})
+        if output.has_sync_kv_loads:
+            worker.start_load_kv(forward_context)
+        sampled = self._forward(output) if output.total_num_scheduled_tokens else {}
+        if not output.has_sync_kv_loads:
+            worker.start_load_kv(forward_context)
+        worker.wait_for_save()
+        sending, recving = worker.get_finished(output.finished_req_ids)
+        invalid = worker.get_block_ids_with_load_errors()
+        stats = worker.get_kv_connector_stats()
+        worker.clear_connector_metadata()
+        if invalid:
+            self.invalid_blocks.append(set(invalid))
+        self.recved |= set(recving or ())
+        kv_output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                      invalid_block_ids=invalid, kv_connector_stats=stats)
+        ids = list(sampled)
+        extra = {}
+        if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}:  # not 0.34
+            extra["req_id_to_index"] = {rid: i for i, rid in enumerate(ids)}
+        runner_output = ModelRunnerOutput(
+            req_ids=ids, sampled_token_ids=[sampled[rid] for rid in ids], logprobs=None,
+            prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=None if kv_output.is_empty() else kv_output, **extra)
+        for outputs in self.scheduler.update_from_output(output, runner_output).values():
+            if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
+                self.stats.update(outputs.scheduler_stats.kv_connector_stats)
+            for engine_output in outputs.outputs:
+                if engine_output.finish_reason is not None:
+                    self.finished[engine_output.request_id] = engine_output
+        return output
+
+    def _forward(self, output: Any) -> dict[str, list[int]]:
+        """Write the KV of every scheduled token into its block, save layer by layer, sample."""
+        starts: dict[str, int] = {}
+        for new in output.scheduled_new_reqs:
+            self._blocks[new.req_id] = list(new.block_ids[0])
+            starts[new.req_id] = int(new.num_computed_tokens)
+            self.new_reqs.setdefault(new.req_id, new)
+        cached = output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            if req_id in resumed:
+                self._blocks[req_id] = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                self._blocks[req_id].extend(new_blocks[0])
+            starts[req_id] = int(cached.num_computed_tokens[i])
+        sampled: dict[str, list[int]] = {}
+        for req_id, count in output.num_scheduled_tokens.items():
+            self.scheduled.setdefault(req_id, []).append(count)
+            request = self.scheduler.requests[req_id]
+            start = starts[req_id]
+            positions = torch.arange(start, start + count)
+            tokens = torch.tensor(list(request.all_token_ids)[start:start + count])
+            blocks = torch.tensor(self._blocks[req_id])[positions // BLOCK_SIZE]
+            for index, name in enumerate(LAYERS):
+                self.layers[name][blocks, :, positions % BLOCK_SIZE, :] = kv_values(tokens, positions, index)
+            sampled[req_id] = [SAMPLED] if start + count >= request.num_tokens else []
+        for name, layer in self.layers.items():
+            self.worker.save_kv_layer(name, layer, SimpleNamespace())
+        for spec in output.kv_connector_metadata.saves:
+            blocks = torch.tensor(self._blocks[spec.req_id][:-(-len(spec.token_ids) // BLOCK_SIZE)])
+            self.snapshots[spec.req_id] = {name: layer[blocks].clone() for name, layer in self.layers.items()}
+        return sampled
+
+    def run(self, until: Callable[[], bool], timeout_s: float = STEP_TIMEOUT_S) -> int:
+        """Step until ``until()`` holds; returns the number of steps."""
+        deadline = time.monotonic() + timeout_s
+        steps = 0
+        while not until():
+            assert time.monotonic() < deadline, "the engine did not get there in time"
+            output = self.step()
+            steps += 1
+            if not output.total_num_scheduled_tokens:
+                time.sleep(0.002)  # idle step: a load is in flight on a worker thread
+        return steps
+
+    def finish(self, req_id: str) -> Any:
+        """Step until the request finished; its final output."""
+        self.run(lambda: req_id in self.finished)
+        return self.finished[req_id]
+
+    def produce(self, req_id: str, prompt: list[int], wait: bool = True) -> dict[str, Any]:
+        """Prefill as the proxy asks (one token); the kv_transfer_params the answer carries."""
+        self.add(req_id, prompt, max_tokens=1, params={"do_remote_decode": True, "do_remote_prefill": False})
+        params = self.finish(req_id).kv_transfer_params
+        if wait:
+            self.wait_saved()
+        return params
+
+    def wait_saved(self) -> None:
+        """Until the writer threads stored every entry handed to them."""
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while self.worker._saves_in_flight:
+            assert time.monotonic() < deadline, "a save did not finish"
+            time.sleep(0.002)
+
+    def assert_empty(self) -> None:
+        """No request, block, load, save or connector state left over (after one more step)."""
+        self.step()  # hands the last finished ids to the worker, as the next engine step would
+        s = self.scheduler
+        assert not s.requests and not s.running and len(s.waiting) == 0
+        assert len(getattr(s, "kv_holding_waiting", ())) == 0
+        assert not getattr(s, "deferred_waiting", ()) and not getattr(s, "_inflight_prefills", ())
+        assert not s.finished_recving_kv_req_ids and not s.failed_recving_kv_req_ids
+        assert not any(getattr(s, "_kv_fetch_counts", {}).values())
+        manager = s.kv_cache_manager.coordinator.single_type_managers[0]
+        assert not manager.req_to_blocks and not manager.num_cached_block
+        assert self.free_blocks() == NUM_BLOCKS - 1  # block 0 is the null block
+        assert all(block.ref_cnt == 0 for block in s.kv_cache_manager.block_pool.blocks)
+        c = self.connector
+        assert not (c._pending_loads or c._loading or c._loaded_once or c._prefills or c._saved)
+        w = self.worker
+        assert not (w._gathered or w._received or w._failed or w._failed_reported)
+
+
+def redis_keys(url: str, namespace: str) -> list[bytes]:
+    client = redis.Redis.from_url(url)
+    try:
+        return sorted(client.scan_iter(match=f"{namespace}:*", count=1000))
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[..., Engine]]:
+    """Build engines (scheduler + worker connector); all of one test share a fresh namespace."""
+    namespace = "t-vllm-" + uuid.uuid4().hex[:10]
+    engines: list[Engine] = []
+
+    def make(role: str, url: str = real_redis_url, **settings: Any) -> Engine:
+        extra = {"url": url, "namespace": namespace, "pop_timeout_s": 2.0, **settings}
+        vllm_config = VllmConfig(
+            model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN),
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=TOKEN_BUDGET,
+                                             max_model_len=MAX_LEN, enable_chunked_prefill=True,
+                                             is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9,
+                                     cache_dtype="auto", enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVRedisConnector", kv_connector_module_path="kvredis.vllm", kv_role=role,
+                kv_connector_extra_config=extra, kv_load_failure_policy="recompute"),
+            device_config=DeviceConfig("cpu"),
+        )
+        vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the engine core resolves it before connectors
+        vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS,
+                                                             head_size=WIDTH // 2, dtype=torch.float32))])
+        scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                              structured_output_manager=StructuredOutputManager(vllm_config),
+                              block_size=BLOCK_SIZE, log_stats=True)
+        worker = KVRedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        layers = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, WIDTH) for name in LAYERS}
+        worker.register_kv_caches(layers)
+        engine = Engine(scheduler, worker, layers, url, namespace)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.worker.shutdown()
+        engine.connector.shutdown()
+    leftover = redis_keys(real_redis_url, namespace)
+    if leftover:
+        client = redis.Redis.from_url(real_redis_url)
+        client.delete(*leftover)
+        client.close()
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 1024, (length,), generator=generator).tolist()
+
+
+def assert_pages_moved(producer: Engine, consumer: Engine, req_id: str, source_id: str,
+                       first_block: int, num_blocks: int) -> None:
+    """Blocks ``first_block..`` of the consumer's request hold exactly the producer's saved pages."""
+    targets = torch.tensor(consumer.block_ids(req_id)[first_block:first_block + num_blocks], dtype=torch.long)
+    assert len(targets) == num_blocks
+    for name in LAYERS:
+        sent = producer.snapshots[source_id][name][first_block:first_block + num_blocks]
+        assert same_bits(consumer.layers[name][targets], sent), f"{name}: pages differ"
+
+
+# -- hits -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [20, 32, 33, 65, 70, 300, 600], ids=lambda n: f"len{n}")
+def test_hit_loads_the_pages_and_schedules_the_last_token(make_engine, length: int) -> None:
+    """20 < one block; 33 and 65 are k*32+1 (the loaded part ends on a block edge); 300 prefills in chunks."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prompt = prompt_of(length, seed=length)
+    params = producer.produce("p", prompt)
+    assert TRANSFER_PARAM in params
+    if length > TOKEN_BUDGET:
+        assert len(producer.scheduled["p"]) > 1, "the prompt was meant to prefill in chunks"
+    assert len(redis_keys(consumer.redis_url, consumer.namespace)) >= 1
+
+    consumer.add("c", prompt, max_tokens=3, params=params)
+    first = consumer.step()
+    assert consumer.scheduler.requests["c"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert "c" not in first.num_scheduled_tokens
+    consumer.run(lambda: "c" in consumer.recved)
+    loaded_blocks = -(-(length - 1) // BLOCK_SIZE)
+    assert_pages_moved(producer, consumer, "c", "p", 0, loaded_blocks)
+    assert consumer.invalid_blocks == []
+
+    consumer.run(lambda: "c" in consumer.new_reqs)
+    assert consumer.new_reqs["c"].num_computed_tokens == length - 1
+    assert consumer.scheduled["c"][0] == 1  # only the last prompt token is computed
+    assert consumer.finish("c").new_token_ids
+    assert consumer.stats["loaded_requests"] == 1 and consumer.stats["loaded_tokens"] == length - 1
+    assert consumer.stats["load_failures"] == 0
+    producer.assert_empty()  # steps once more: a save ends after its step, and is counted at the next
+    assert producer.stats["saved_requests"] == 1 and producer.stats["saved_tokens"] == length
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+def test_an_entry_found_in_redis_is_loaded_without_an_announcement(make_engine) -> None:
+    """No kv_transfer_params: the scheduler looks the prompt up in Redis (LLEN) and loads it."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prompt = prompt_of(90, seed=1)
+    producer.produce("p", prompt)
+    consumer.add("c", prompt)
+    consumer.run(lambda: "c" in consumer.new_reqs)
+    assert consumer.new_reqs["c"].num_computed_tokens == 89
+    assert_pages_moved(producer, consumer, "c", "p", 0, 3)
+    consumer.finish("c")
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+def test_a_decode_that_arrives_before_the_entry_waits_for_it(make_engine) -> None:
+    """The proxy sends the decode as soon as prefill answers: the load waits (blocking pop), no recompute."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=5.0)
+    prompt = prompt_of(100, seed=2)
+    consumer.add("c", prompt, params={TRANSFER_PARAM: {"prompt_tokens": len(prompt)}})
+    consumer.step()
+    consumer.step()  # the load is waiting in Redis now
+    assert consumer.scheduler.requests["c"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    producer.produce("p", prompt, wait=False)
+    consumer.run(lambda: "c" in consumer.new_reqs)
+    assert consumer.new_reqs["c"].num_computed_tokens == 99
+    assert_pages_moved(producer, consumer, "c", "p", 0, 4)
+    consumer.finish("c")
+    assert consumer.stats["loaded_requests"] == 1 and consumer.stats["load_failures"] == 0
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+def test_a_miss_computes_the_prompt(make_engine) -> None:
+    """Nothing in Redis, nothing announced: 0 external tokens, the whole prompt is computed at once."""
+    consumer = make_engine("kv_consumer")
+    started = time.monotonic()
+    consumer.add("c", prompt_of(70, seed=3))
+    first = consumer.step()
+    assert time.monotonic() - started < 1.0  # a lookup, not a wait
+    assert consumer.new_reqs["c"].num_computed_tokens == 0
+    assert first.num_scheduled_tokens["c"] == 70
+    consumer.finish("c")
+    assert not consumer.stats and consumer.invalid_blocks == []
+    consumer.assert_empty()
+
+
+def test_local_prefix_hit_and_the_rest_loaded(make_engine) -> None:
+    """The consumer holds the first two blocks in its prefix cache; only blocks 2.. come from Redis."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prefix = prompt_of(2 * BLOCK_SIZE, seed=4)
+    consumer.add("warm", prefix + prompt_of(10, seed=5), max_tokens=1)
+    consumer.finish("warm")
+    local_blocks = consumer.new_reqs["warm"].block_ids[0][:2]  # freed now, but kept in the prefix cache
+    prompt = prefix + prompt_of(39, seed=6)  # 103 tokens: 102 loadable, 64 of them local
+    params = producer.produce("p", prompt)
+    consumer.add("c", prompt, params=params)
+    consumer.run(lambda: "c" in consumer.new_reqs)
+    assert consumer.new_reqs["c"].num_computed_tokens == 102
+    assert consumer.block_ids("c")[:2] == local_blocks
+    assert consumer.stats["loaded_tokens"] == 102 - 2 * BLOCK_SIZE
+    assert_pages_moved(producer, consumer, "c", "p", 0, 4)  # local blocks hold the same bytes
+    consumer.finish("c")
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+# -- failures ---------------------------------------------------------------------------------------
+
+
+def _corrupt_record(url: str, namespace: str) -> None:
+    """Flip one payload byte of the only entry record: its CRC no longer matches."""
+    client = redis.Redis.from_url(url)
+    try:
+        (queue,) = [key for key in client.scan_iter(match=f"{namespace}:*:q") if key]
+        record = bytearray(client.lindex(queue, 0))
+        header = codec.read_header(bytes(record), max_payload_bytes=1 << 30)
+        record[header.payload_offset + header.payload_nbytes - 5] ^= 0x40
+        client.lset(queue, 0, bytes(record))
+    finally:
+        client.close()
+
+
+def _plant_other_shape(consumer: Engine, prompt: list[int]) -> None:
+    """An entry under the consumer's own key whose pages have another shape (one layer, half the width)."""
+    config = KVRedisConfig.from_env({}, {"url": consumer.redis_url, "namespace": consumer.namespace})
+    with RedisLookupBuffer(config, identity=consumer.worker.identity) as buffer:
+        pages = torch.zeros(1, -(-len(prompt) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH // 2)
+        buffer.insert(torch.tensor(prompt), None, pages, None, None)
+
+
+@pytest.mark.parametrize("fault", ["missing", "corrupt", "other-shape"])
+def test_a_failed_load_reports_its_blocks_and_the_request_is_recomputed(
+    make_engine, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=0.5)
+    prompt = prompt_of(80, seed=7)
+    if fault == "missing":  # announced, but the entry never comes (expired, evicted, never written)
+        params = {TRANSFER_PARAM: {"prompt_tokens": len(prompt)}}
+    else:
+        params = producer.produce("p", prompt)
+        if fault == "corrupt":
+            _corrupt_record(consumer.redis_url, consumer.namespace)
+        else:
+            # Take the good entry away first, so the planted one is what the consumer finds.
+            client = redis.Redis.from_url(consumer.redis_url)
+            client.delete(*redis_keys(consumer.redis_url, consumer.namespace))
+            client.close()
+            _plant_other_shape(consumer, prompt)
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        consumer.add("c", prompt, max_tokens=2, params=params)
+        consumer.step()
+        blocks = consumer.block_ids("c")
+        consumer.finish("c")
+    assert consumer.invalid_blocks == [set(blocks)]  # all 3 blocks that were to be loaded
+    assert "c" in consumer.recved  # still reported finished, so the scheduler moves on
+    assert consumer.new_reqs["c"].num_computed_tokens == 0  # recomputed from the start ...
+    assert sum(consumer.scheduled["c"][:-1]) == 80  # ... every prompt token (then one decode step)
+    assert consumer.stats["load_failures"] == 1 and consumer.stats["loaded_requests"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvredis.vllm"]
+    assert len(warnings) == 1 and "request c" in warnings[0], warnings
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+@pytest.mark.parametrize("outcome", ["entry-arrives", "load-fails"])
+def test_abort_while_loading_holds_the_blocks_until_the_worker_is_done(make_engine, outcome: str) -> None:
+    """An aborted request's blocks stay allocated while its load may still write them, then are freed."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=1.0)
+    prompt = prompt_of(100, seed=8)
+    consumer.add("c", prompt, params={TRANSFER_PARAM: {"prompt_tokens": len(prompt)}})
+    consumer.step()  # allocates 4 blocks and starts the load, which waits in Redis
+    held = NUM_BLOCKS - 1 - consumer.free_blocks()
+    assert held == 4
+    consumer.scheduler.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        consumer.step()
+        assert NUM_BLOCKS - 1 - consumer.free_blocks() == held, "blocks freed while the load may write them"
+        assert "c" in consumer.scheduler.requests
+    if outcome == "entry-arrives":
+        producer.produce("p", prompt, wait=False)
+    consumer.run(lambda: "c" in consumer.recved)
+    consumer.step()
+    assert consumer.free_blocks() == NUM_BLOCKS - 1
+    assert "c" not in consumer.finished  # aborted: no output
+    if outcome == "entry-arrives":
+        assert consumer.stats["loaded_requests"] == 1
+    else:
+        assert consumer.stats["load_failures"] == 1
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+@pytest.mark.parametrize("fault", ["killed", "stalled"])
+def test_redis_down_lookups_fail_fast_and_pause(make_engine, redis_server, monkeypatch, fault: str) -> None:
+    """With Redis gone or frozen, the scheduler's lookups neither stall the engine nor warn per request:
+    one lookup fails within KVREDIS_LOOKUP_TIMEOUT_S, the next ones are skipped for a while."""
+    import kvredis.vllm
+
+    server: RedisServer = redis_server()
+    consumer = make_engine("kv_consumer", url=server.url, lookup_timeout_s=0.3)
+    assert server.process is not None
+    if fault == "killed":
+        server.kill()
+    else:
+        os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        for i in range(3):
+            consumer.add(f"c{i}", prompt_of(50, seed=20 + i), max_tokens=1)
+        consumer.run(lambda: len(consumer.finished) == 3)
+        assert time.monotonic() - started < 1.5
+        assert consumer.stats["lookup_errors"] == 1  # one failed lookup, then a pause
+    finally:
+        if fault == "killed":
+            server.start()
+        else:
+            os.kill(server.process.pid, signal.SIGCONT)
+    monkeypatch.setattr(kvredis.vllm, "_LOOKUP_PAUSE_S", 0.0)
+    consumer.connector._lookups_paused_until = 0.0
+    consumer.add("after", prompt_of(50, seed=30), max_tokens=1)
+    consumer.finish("after")
+    assert consumer.stats["lookup_errors"] == 1  # Redis answers again
+    consumer.assert_empty()
+
+
+# -- small pieces -----------------------------------------------------------------------------------
+
+
+def test_versions_outside_the_supported_range_are_refused_at_start_up() -> None:
+    from kvredis.errors import ConfigError
+    from kvredis.vllm import check_vllm_version
+
+    for version in ("0.32.0", "0.33.1", "0.34.0rc1", "0.34.2+cpu"):
+        check_vllm_version(version)
+    for version in ("0.31.9", "0.35.0", "1.0.0", "dev"):
+        with pytest.raises(ConfigError, match=r"0\.32 to 0\.34"):
+            check_vllm_version(version)
+
+
+def test_each_parallel_rank_has_its_own_keys(make_engine) -> None:
+    """Tensor- and pipeline-parallel ranks hold different shards: their entries must never mix."""
+    from kvredis.vllm import cache_identity
+
+    config = make_engine("kv_consumer").worker._vllm_config
+    identities = {cache_identity(config, tp, pp).digest() for tp in range(2) for pp in range(2)}
+    assert len(identities) == 4
