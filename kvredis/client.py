@@ -5,6 +5,14 @@ This module is the one boundary where redis-py's exceptions become kvredis's
 sends memoryviews straight to the socket, where hiredis's packer copies every large value twice
 (../shared/notes/redis-transport.md). hiredis still parses replies. Retries are off: a retried RPUSH
 would store an entry twice and a retried BLPOP could drop one, so a failed call fails once, clearly.
+
+Three kinds of Redis (:meth:`KVRedisConfig.topology`): one server; Redis Cluster through redis-py's
+``RedisCluster``; the primary that Sentinel names, through redis-py's ``Sentinel.master_for``. On a cluster,
+every key of an entry shares one hash slot (the ``{digest}`` tag), so each operation talks to one primary.
+Redirections are followed: a ``MOVED``, ``ASK`` or ``TRYAGAIN`` reply means the server did *not* run the
+command (for a transaction: it refused it whole, ``EXECABORT``), so sending it again to the node named is
+safe. What is never sent again is a command whose connection broke or timed out: it may have run. After
+such an error the cluster's slot map is refreshed, so the next call finds a promoted replica.
 """
 
 from __future__ import annotations
@@ -14,16 +22,20 @@ import logging
 import re
 import socket
 import ssl
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from kvredis import resp
-from kvredis.config import KVRedisConfig
+from kvredis.config import KVRedisConfig, Topology
 from kvredis.errors import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
 
 logger = logging.getLogger("kvredis.client")
@@ -31,6 +43,15 @@ logger = logging.getLogger("kvredis.client")
 # Arguments longer than this (and every memoryview) go to the socket as buffers of their own; shorter
 # ones are joined into one write. A small record's copy costs less than the extra send call it saves.
 _BUFFER_CUTOFF = 256 << 10
+# How many times one call follows MOVED/ASK/TRYAGAIN before giving up (redis-py's own limit is 16).
+_REDIRECTS = 16
+# After a connection error or timeout on a cluster, a background thread re-reads the slot maps every
+# _REFRESH_EVERY_S for _WATCH_S: a replica promoted meanwhile is found without another failed call.
+_WATCH_S = 60.0
+_REFRESH_EVERY_S = 0.5
+
+Client = redis.Redis | RedisCluster
+"""What :func:`connect` returns: a plain client (one server, or Sentinel's primary) or a cluster client."""
 
 
 class WrongTypeError(KVRedisError):
@@ -55,6 +76,18 @@ def _connection_problem(exc: BaseException, config: KVRedisConfig | None) -> str
     return text
 
 
+def _denied(exc: BaseException) -> BaseException | None:
+    """The NOPERM error behind ``exc`` (redis-py hides it behind its own when discovering a cluster)."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return None
+        if isinstance(seen, redis.exceptions.NoPermissionError) or "NOPERM" in str(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 _PIPELINE_NOTE = re.compile(r"Command # (\d+) \((\S+).*? of pipeline caused error: ", re.DOTALL)
 
 
@@ -69,10 +102,51 @@ def translate_errors(what: str, config: KVRedisConfig | None = None) -> Iterator
     where = f" at {config.masked_url}" if config is not None else ""
     try:
         yield
+    except KVRedisError:  # translated already (a cluster client made on first use, inside another call)
+        raise
     except redis.exceptions.TimeoutError as exc:
         raise KVRedisTimeoutError(f"{what}{where} timed out: {exc}") from None
     except redis.exceptions.AuthenticationError as exc:
         raise KVRedisConnectionError(f"{what}{where}: authentication failed: {exc}") from None
+    except MasterNotFoundError as exc:
+        raise KVRedisConnectionError(
+            f"{what}{where} failed: no sentinel names a healthy primary (sentinels unreachable, wrong "
+            f"service name, or a failover in progress): {exc}"
+        ) from None
+    except redis.exceptions.ClusterDownError as exc:  # before ResponseError: it is one
+        raise KVRedisConnectionError(
+            f"{what}{where} failed: the Redis Cluster is down for this key's slot (a primary failed and no "
+            f"replica has taken over yet, or slots are unassigned): {exc}"
+        ) from None
+    except (redis.exceptions.AskError, redis.exceptions.TryAgainError) as exc:  # MOVED is an ASK
+        raise KVRedisError(
+            f"{what}{where} failed: still redirected after {_REDIRECTS} tries (resharding?): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    except redis.exceptions.SlotNotCoveredError as exc:
+        raise KVRedisConnectionError(
+            f"{what}{where} failed: no Redis Cluster node serves the slot: {exc}"
+        ) from None
+    except redis.exceptions.RedisClusterException as exc:  # not a RedisError: cluster discovery failed
+        cause = exc.__cause__  # what the last startup node said
+        denied = _denied(exc)
+        if denied is not None:
+            raise KVRedisError(
+                f"{what}{where}: denied by the Redis ACL (NOPERM; discovering the cluster needs "
+                f"+cluster|slots +command): {denied}"
+            ) from None
+        if isinstance(cause, redis.exceptions.AuthenticationError):
+            raise KVRedisConnectionError(f"{what}{where}: authentication failed: {cause}") from None
+        problem = _connection_problem(cause, config) if cause is not None else ""
+        if cause is not None and problem != str(cause):  # TLS: say so
+            raise KVRedisConnectionError(
+                f"{what}{where} failed: no Redis Cluster node could be reached: {problem}"
+            ) from None
+        raise KVRedisConnectionError(f"{what}{where} failed: Redis Cluster: {exc}") from None
+    except redis.exceptions.ClusterError as exc:  # "TTL exhausted": redirected too many times
+        raise KVRedisError(
+            f"{what}{where} failed: Redis Cluster redirected the command too many times (resharding?): {exc}"
+        ) from None
     except redis.exceptions.ConnectionError as exc:
         raise KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}") from None
     except redis.exceptions.ResponseError as exc:
@@ -94,14 +168,17 @@ def translate_errors(what: str, config: KVRedisConfig | None = None) -> Iterator
         raise KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}") from None
 
 
-def connect(config: KVRedisConfig, *, read_timeout_s: float | None = None) -> redis.Redis:
+def connect(config: KVRedisConfig, *, read_timeout_s: float | None = None) -> Client:
     """A redis-py client for ``config``: URL, credentials, TLS, timeouts, no retries, zero-copy packer.
 
-    ``read_timeout_s`` bounds each reply (default ``socket_timeout_s``).
+    ``read_timeout_s`` bounds each reply (default ``socket_timeout_s``). A ``redis+cluster://`` URL gives a
+    ``RedisCluster`` (which discovers the cluster here, so this raises if no startup node answers); a
+    ``redis+sentinel://`` URL gives a plain client whose connections go to the primary the sentinels name.
     """
+    read_timeout = config.socket_timeout_s if read_timeout_s is None else read_timeout_s
     kwargs: dict[str, Any] = {
         "socket_connect_timeout": config.connect_timeout_s,
-        "socket_timeout": config.socket_timeout_s if read_timeout_s is None else read_timeout_s,
+        "socket_timeout": read_timeout,
         "retry": Retry(NoBackoff(), 0),
         "command_packer": PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode),
     }
@@ -109,12 +186,75 @@ def connect(config: KVRedisConfig, *, read_timeout_s: float | None = None) -> re
     # arguments, which would silently ignore KVREDIS_PASSWORD or the socket bounds.
     url, options = config.connection_options()
     kwargs.update(options)
+    topology = config.topology()
     tls_files = (config.tls_ca_file, config.tls_cert_file, config.tls_key_file)
-    if not url.startswith("rediss://") and any(path is not None for path in tls_files):
+    if not topology.tls and any(path is not None for path in tls_files):
         logger.warning("KVREDIS_TLS_* files are set but %s is not a rediss:// URL: TLS is not used",
                        config.masked_url)
     with translate_errors("connecting to Redis", config):
+        if topology.kind == "cluster":
+            return _cluster_client(topology, kwargs)
+        if topology.kind == "sentinel":
+            return _sentinel_client(topology, kwargs, min(config.socket_timeout_s, read_timeout))
         return redis.Redis.from_url(url, **kwargs)
+
+
+def _cluster_client(topology: Topology, kwargs: dict[str, Any]) -> RedisCluster:
+    """``RedisCluster`` on the startup nodes: redirections followed, nothing re-sent after errors."""
+    if int(redis.__version__.split(".")[0]) < 6:
+        raise KVRedisError(f"redis+cluster:// needs redis-py 6.0 or later (installed: {redis.__version__})")
+    kwargs = dict(kwargs)
+    packer = kwargs.pop("command_packer")
+    no_retry = kwargs.pop("retry")  # the cluster's own: 0, no command is re-sent after a connection error
+    kwargs.pop("db", None)  # checked to be 0; RedisCluster refuses the argument
+    if topology.tls:
+        kwargs["ssl"] = True
+
+    def zero_copy(connection: Any) -> None:
+        # RedisCluster makes each node's connections itself and passes no command packer on: set ours
+        # once a connection is up (after its handshake), for the large values that follow.
+        if hasattr(connection, "_command_packer"):
+            connection._command_packer = packer
+
+    client = RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in topology.nodes],
+        # Discovery (CLUSTER SLOTS, then COMMAND on one primary) may try other nodes: a client made while a
+        # primary is down must not fail for it. Once made, no command is re-sent.
+        retry=Retry(NoBackoff(), 2),
+        # Serve the slots that have a primary even while others have none (a failover in progress).
+        require_full_coverage=False,
+        redis_connect_func=zero_copy,
+        **kwargs,
+    )
+    client.set_retry(no_retry)
+    return client
+
+
+def _sentinel_client(topology: Topology, kwargs: dict[str, Any], sentinel_timeout_s: float) -> redis.Redis:
+    """A client of the service's current primary: each new connection asks the sentinels where it is."""
+    kwargs = dict(kwargs)
+    kwargs.pop("db", None)
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_connect_timeout": kwargs["socket_connect_timeout"],
+        "socket_timeout": sentinel_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    for name in ("sentinel_username", "sentinel_password"):
+        value = kwargs.pop(name, None)
+        if value:
+            sentinel_kwargs[name.removeprefix("sentinel_")] = value
+    if topology.tls:
+        kwargs["ssl"] = True
+        sentinel_kwargs.update({key: value for key, value in kwargs.items() if key.startswith("ssl")})
+    sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=sentinel_kwargs, **kwargs)
+    return sentinel.master_for(str(topology.service), db=topology.db)
+
+
+def _close(client: Client) -> None:
+    client.close()
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):  # Sentinel's own clients, one per sentinel
+        sentinel.close()
 
 
 class RedisStore:
@@ -124,21 +264,93 @@ class RedisStore:
     caller's buffer, with about ``inflight_bytes`` in flight per round trip.
     """
 
-    def __init__(self, config: KVRedisConfig, client: redis.Redis | None = None) -> None:
+    def __init__(self, config: KVRedisConfig, client: Client | None = None) -> None:
         self.config = config
         self._owns_clients = client is None
-        self.redis = client if client is not None else connect(config)
-        # Blocking pops wait up to the pop timeout on the server, so their socket bound is longer.
-        self._popper = client if client is not None else connect(
-            config, read_timeout_s=config.socket_timeout_s + config.pop_timeout_s
-        )
-        # vLLM's scheduler asks for every new request; a slow Redis must cost it little.
-        self._prober = client if client is not None else connect(
-            config, read_timeout_s=config.lookup_timeout_s
-        )
+        self._lock = threading.Lock()
+        self._clients: dict[str, Client] = {}
+        self._watch_until = 0.0  # see _WATCH_S
+        self._watcher: threading.Thread | None = None
+        self._closed = False
+        if client is not None:
+            self.cluster = isinstance(client, RedisCluster)
+            self._clients = dict.fromkeys(self._read_timeouts(), client)
+        else:
+            self.cluster = config.topology().kind == "cluster"
+            if not self.cluster:
+                # A cluster client discovers the cluster when it is made, so cluster clients are made on
+                # first use: a store (and a buffer) can be created while the cluster is unreachable.
+                for role, read_timeout_s in self._read_timeouts().items():
+                    self._clients[role] = connect(config, read_timeout_s=read_timeout_s)
 
-    def _guard(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return translate_errors(what, self.config)
+    def _read_timeouts(self) -> dict[str, float | None]:
+        return {
+            "main": None,
+            # Blocking pops wait up to the pop timeout on the server, so their socket bound is longer.
+            "pop": self.config.socket_timeout_s + self.config.pop_timeout_s,
+            # vLLM's scheduler asks for every new request; a slow Redis must cost it little.
+            "probe": self.config.lookup_timeout_s,
+        }
+
+    def _client(self, role: str) -> Client:
+        client = self._clients.get(role)
+        if client is None:
+            with self._lock:
+                # All three at once: a reader that could pop an entry must be able to read its pieces too.
+                for name, read_timeout_s in self._read_timeouts().items():
+                    if name not in self._clients:
+                        self._clients[name] = connect(self.config, read_timeout_s=read_timeout_s)
+                client = self._clients[role]
+        return client
+
+    def _watch_topology(self) -> None:
+        """Re-read every cluster client's slot map in the background for a while (see ``_WATCH_S``).
+
+        Calls never wait for it. Without it, each client would learn of a promoted replica only by failing
+        once more against the dead primary's address.
+        """
+        with self._lock:
+            self._watch_until = time.monotonic() + _WATCH_S
+            if self._watcher is None and not self._closed:
+                self._watcher = threading.Thread(target=self._refresh_slot_maps, daemon=True,
+                                                 name="kvredis-cluster-watch")
+                self._watcher.start()
+
+    def _refresh_slot_maps(self) -> None:
+        while True:
+            time.sleep(_REFRESH_EVERY_S)
+            with self._lock:
+                if self._closed or time.monotonic() >= self._watch_until:
+                    self._watcher = None
+                    return
+                clients = {id(client): client for client in self._clients.values()}.values()
+            for client in clients:
+                if isinstance(client, RedisCluster):
+                    with contextlib.suppress(Exception):  # a failed refresh leaves the map as it was
+                        client.nodes_manager.initialize()
+
+    @property
+    def redis(self) -> Any:
+        """The client for all but blocking pops and existence checks (a ``RedisCluster`` on a cluster)."""
+        return self._client("main")
+
+    @property
+    def _popper(self) -> Any:
+        return self._client("pop")
+
+    @property
+    def _prober(self) -> Any:
+        return self._client("probe")
+
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        try:
+            with translate_errors(what, self.config):
+                yield
+        except (KVRedisConnectionError, KVRedisTimeoutError):
+            if self.cluster:  # a primary may be failing over: watch the slot map for a while
+                self._watch_topology()
+            raise
 
     def ping(self) -> None:
         """Raise a kvredis error unless Redis answers."""
@@ -148,6 +360,9 @@ class RedisStore:
     def push_record(self, queue: str, record: bytes | memoryview, ttl_ms: int) -> None:
         """Append ``record`` to list ``queue`` and refresh the list's TTL, atomically."""
         with self._guard(f"storing record in {queue}"):
+            if self.cluster:
+                self._cluster_transaction(queue, [("RPUSH", queue, record), ("PEXPIRE", queue, ttl_ms)])
+                return
             pipe = self.redis.pipeline(transaction=True)
             pipe.rpush(queue, record)
             pipe.pexpire(queue, ttl_ms)
@@ -194,20 +409,125 @@ class RedisStore:
         caller deletes what is left.
         """
         with self._guard(f"reading {len(keys)} pieces"):
-            pool = self.redis.connection_pool
-            connection = pool.get_connection()
+            redirected: list[int] | None = None
+            if self.cluster:
+                # Read from the primary of the entry's slot; pieces being resharded come back redirected.
+                redirected = []
+                node = self.redis.nodes_manager.get_node_from_slot(self.redis.keyslot(keys[0]))
+                pool = self.redis.get_redis_connection(node).connection_pool
+            else:
+                pool = self.redis.connection_pool
+            connection = self._connection(pool)
             try:
                 sock = getattr(connection, "_sock", None)
                 if not isinstance(sock, socket.socket):  # fakeredis and other stand-ins
                     return self._take_pieces_pipelined(keys, sizes, out)
-                failure = resp.take_into(sock, keys, sizes, out, self.config.inflight_bytes)
-            except BaseException:
+                failure = resp.take_into(sock, keys, sizes, out, self.config.inflight_bytes, redirected)
+            except BaseException as exc:
                 # A reply may be half read: the connection cannot be reused.
                 connection.disconnect()
+                if self.cluster and isinstance(exc, (OSError, redis.exceptions.RedisError)):
+                    self._refresh_slots()
                 raise
             finally:
                 pool.release(connection)
+            if failure is None and redirected:
+                return self._take_redirected(keys, sizes, out, redirected)
         return None if failure is None else (keys[failure[0]], failure[1])
+
+    def _take_redirected(
+        self, keys: Sequence[str], sizes: Sequence[int], out: memoryview, indexes: list[int]
+    ) -> tuple[str, str] | None:
+        """GETDEL the pieces a resharding node redirected, through the cluster client (it follows ASK)."""
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        pipe = self.redis.pipeline(transaction=False)
+        for index in indexes:
+            pipe.getdel(keys[index])
+        for index, value in zip(indexes, pipe.execute(raise_on_error=False), strict=True):
+            if value is None:
+                return keys[index], "partial"
+            if isinstance(value, redis.exceptions.ResponseError) and "WRONGTYPE" not in str(value):
+                raise value
+            if not isinstance(value, bytes) or len(value) != sizes[index]:
+                return keys[index], "corrupt"
+            out[offsets[index]:offsets[index + 1]] = value
+        return None
+
+    def _cluster_transaction(self, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """MULTI/EXEC of ``commands`` (all on ``key``'s slot) on the slot's primary, following redirections.
+
+        A ``MOVED``/``ASK``/``TRYAGAIN`` reply to a queued command makes the server refuse the whole
+        transaction (``EXECABORT``: nothing ran), so it is sent again to the node named (after ``ASKING``
+        for an ``ASK``). A connection error or timeout is raised, never re-sent: the commands may have run.
+        redis-py's cluster transactions neither send ``ASKING`` nor exist before redis-py 6.
+        """
+        cluster = self.redis
+        slot = cluster.keyslot(key)
+        node = cluster.nodes_manager.get_node_from_slot(slot)
+        asking = False
+        redirect: Exception | None = None
+        for _ in range(_REDIRECTS):
+            stack = [("ASKING",)] if asking else []
+            stack += [("MULTI",), *commands, ("EXEC",)]
+            pool = cluster.get_redis_connection(node).connection_pool
+            connection = self._connection(pool)
+            replies: list[Any] = []
+            try:
+                connection.send_packed_command(connection.pack_commands(stack))
+                for _command in stack:
+                    try:
+                        replies.append(connection.read_response())
+                    except redis.exceptions.ResponseError as exc:  # a whole error reply: still in step
+                        replies.append(exc)
+            except BaseException as exc:
+                connection.disconnect()
+                if isinstance(exc, (OSError, redis.exceptions.RedisError)):
+                    self._refresh_slots()
+                raise
+            finally:
+                pool.release(connection)
+            queued, result = replies[-len(commands) - 1:-1], replies[-1]
+            redirect = next((reply for reply in queued if isinstance(
+                reply, (redis.exceptions.AskError, redis.exceptions.TryAgainError))), None)
+            if redirect is None:
+                results = result if isinstance(result, list) else [result]
+                errors = [reply for reply in [*replies[:-1], *results] if isinstance(reply, Exception)]
+                if errors:
+                    raise errors[0]
+                return list(result)
+            asking = False
+            if isinstance(redirect, redis.exceptions.MovedError):  # the slot has a new owner: learn the map
+                self._refresh_slots()
+                node = cluster.nodes_manager.get_node_from_slot(slot)
+            elif isinstance(redirect, redis.exceptions.AskError):  # mid-migration: this key is on the target
+                target = cluster.get_node(host=redirect.host, port=redirect.port)
+                if target is None:
+                    self._refresh_slots()
+                    target = cluster.get_node(host=redirect.host, port=redirect.port)
+                if target is None:
+                    raise redirect
+                node, asking = target, True
+            else:  # TRYAGAIN: keys of the command are split between the two nodes for a moment
+                time.sleep(0.05)
+        assert redirect is not None
+        raise redirect
+
+    def _connection(self, pool: Any) -> Any:
+        """A connection from ``pool``, connected; on a cluster, a node that cannot be reached makes the
+        slot map be read again (as redis-py does for the commands it sends itself)."""
+        try:
+            return pool.get_connection()
+        except (OSError, redis.exceptions.RedisError):
+            if self.cluster:
+                self._refresh_slots()
+            raise
+
+    def _refresh_slots(self) -> None:
+        """Re-read the cluster's slot map after an error (best effort: the error itself is what is raised)."""
+        with contextlib.suppress(Exception):
+            self.redis.nodes_manager.initialize()
 
     def _take_pieces_pipelined(
         self, keys: Sequence[str], sizes: Sequence[int], out: memoryview
@@ -267,7 +587,15 @@ class RedisStore:
                 stored_bytes += int(usage or 0)
                 if ttl is not None and int(ttl) >= 0:
                     ttls.append(int(ttl))
-            memory = self.redis.info("memory")
+            if self.cluster:  # every primary's memory, summed (each holds part of the namespace)
+                per_node = self.redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
+                infos = list(per_node.values())
+                memory: dict[str, Any] = {name: sum(int(info.get(name) or 0) for info in infos)
+                                          for name in ("used_memory", "maxmemory")}
+                memory["maxmemory_policy"] = ",".join(sorted({str(info.get("maxmemory_policy"))
+                                                              for info in infos}))
+            else:
+                memory = self.redis.info("memory")
         return {
             "keys": len(keys),
             "prompts": prompts,
@@ -284,10 +612,11 @@ class RedisStore:
 
     def close(self) -> None:
         """Close the connections this store opened (not a client passed in)."""
+        with self._lock:
+            self._closed = True
         if self._owns_clients:
-            self.redis.close()
-            self._popper.close()
-            self._prober.close()
+            for client in self._clients.values():
+                _close(client)
 
 
 def _check_all(replies: list[Any], command: str) -> None:

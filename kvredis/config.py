@@ -18,7 +18,12 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 from kvredis.errors import ConfigError
 
 ENV_PREFIX = "KVREDIS_"
-URL_SCHEMES = ("redis", "rediss", "unix")
+URL_SCHEMES = (
+    "redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel",
+)
+_TLS_SCHEMES = ("rediss", "rediss+cluster", "rediss+sentinel")
+_DEFAULT_PORTS = {"cluster": 6379, "sentinel": 26379}
+_SERVICE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -30,10 +35,86 @@ _CERT_REQS = ("none", "optional", "required")
 URL_QUERY_OPTIONS = (
     "db", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
 )
-"""The query parameters a URL may carry (redis-py's names); the ``ssl_*`` ones only with ``rediss://``.
+"""The query parameters a URL may carry (redis-py's names); the ``ssl_*`` ones only with ``rediss``
+schemes.
 
 Anything else (``socket_timeout``, ``retry_on_timeout``, ``password``...) is refused: redis-py would let it
 override kvredis's own bounds and no-retry rule, or carry a secret where it would be printed."""
+SENTINEL_QUERY_OPTIONS = ("sentinel_username", "sentinel_password")
+"""Extra query parameters of ``redis+sentinel://`` URLs: the credentials of the sentinels themselves (the
+URL's user and password, and ``KVREDIS_USERNAME``/``KVREDIS_PASSWORD``, are the Redis primary's)."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which kind of Redis a URL names, and where to find it.
+
+    ``single``: one server (``redis://``, ``rediss://``, ``unix://``; ``nodes`` is empty, redis-py reads the
+    URL). ``cluster``: Redis Cluster, ``nodes`` are the startup nodes. ``sentinel``: the primary of
+    ``service`` as the sentinels at ``nodes`` report it, database ``db``.
+    """
+
+    kind: str
+    nodes: tuple[tuple[str, int], ...] = ()
+    service: str | None = None
+    db: int = 0
+    tls: bool = False
+
+
+def _kind(scheme: str) -> str:
+    return scheme.partition("+")[2] or "single"
+
+
+def _hosts(netloc: str, default_port: int) -> tuple[tuple[str, int], ...]:
+    """``host:port,host:port`` (IPv6 hosts in brackets) after any ``user:password@``."""
+    listed = netloc.rpartition("@")[2]
+    if not listed:
+        raise ValueError("no host: list the nodes as host:port,host:port")
+    nodes = []
+    for item in listed.split(","):
+        if item.startswith("["):
+            host, bracket, rest = item[1:].partition("]")
+            if not bracket or (rest and not rest.startswith(":")):
+                raise ValueError(f"malformed host {item!r}")
+            port_text = rest[1:]
+        else:
+            host, _, port_text = item.partition(":")
+            if ":" in port_text:
+                raise ValueError(f"malformed host {item!r} (an IPv6 address needs brackets: [::1]:6379)")
+        if not host:
+            raise ValueError(f"empty host in {listed!r}")
+        if port_text == "":
+            port = default_port
+        elif port_text.isdigit() and 0 < int(port_text) < 65536:
+            port = int(port_text)
+        else:
+            raise ValueError(f"the port of {item!r} is not a number between 1 and 65535")
+        nodes.append((host, port))
+    return tuple(nodes)
+
+
+def _topology(url: str) -> Topology:
+    """The URL's kind and nodes; raises ValueError naming what is malformed."""
+    parts = urlsplit(url)
+    kind = _kind(parts.scheme)
+    query = _url_query(url)
+    tls = parts.scheme in _TLS_SCHEMES
+    if kind == "single":
+        return Topology("single", tls=tls)
+    nodes = _hosts(parts.netloc, _DEFAULT_PORTS[kind])
+    path = [unquote(segment) for segment in parts.path.split("/") if segment]
+    if kind == "cluster":
+        if path not in ([], ["0"]) or query.get("db", 0) != 0:
+            raise ValueError("Redis Cluster has only database 0: use redis+cluster://host:port,host:port[/0]")
+        return Topology("cluster", nodes, tls=tls)
+    if not path or len(path) > 2:
+        raise ValueError("name the service: redis+sentinel://host:26379,host:26379/SERVICE[/db]")
+    if not _SERVICE_RE.fullmatch(path[0]):
+        raise ValueError(f"malformed service name {path[0]!r}")
+    if len(path) == 2 and not path[1].isdigit():
+        raise ValueError(f"the database after the service must be a number, not {path[1]!r}")
+    db = int(query.get("db", path[1] if len(path) == 2 else 0))
+    return Topology("sentinel", nodes, service=path[0], db=db, tls=tls)
 
 
 def _parse_url(value: Any) -> str:
@@ -42,6 +123,9 @@ def _parse_url(value: Any) -> str:
     scheme = parts.scheme
     if scheme not in URL_SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; use one of {', '.join(s + '://' for s in URL_SCHEMES)}")
+    if _kind(scheme) != "single":
+        _topology(url)
+        return url
     try:
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
     except ValueError:
@@ -58,15 +142,20 @@ def _url_query(url: str) -> dict[str, Any]:
     """The URL's query parameters, validated and converted to what redis-py takes."""
     parts = urlsplit(url)
     options: dict[str, Any] = {}
+    sentinel = _kind(parts.scheme) == "sentinel"
+    accepted = URL_QUERY_OPTIONS + (SENTINEL_QUERY_OPTIONS if sentinel else ())
     for name, raw in parse_qsl(parts.query, keep_blank_values=True):
-        if name not in URL_QUERY_OPTIONS:
+        if name not in accepted:
             raise ValueError(
-                f"unknown URL parameter {name!r}; kvredis accepts {', '.join(URL_QUERY_OPTIONS)} "
+                f"unknown URL parameter {name!r}; kvredis accepts {', '.join(accepted)} "
                 "(timeouts, credentials and TLS files have KVREDIS_* variables)"
             )
-        if name.startswith("ssl_") and parts.scheme != "rediss":
-            raise ValueError(f"URL parameter {name!r} needs a rediss:// URL")
-        if name == "db":
+        if name.startswith("ssl_") and parts.scheme not in _TLS_SCHEMES:
+            raise ValueError(f"URL parameter {name!r} needs a rediss:// URL (or rediss+cluster://, "
+                             "rediss+sentinel://)")
+        if name in SENTINEL_QUERY_OPTIONS:
+            options[name] = raw
+        elif name == "db":
             if not raw.isdigit():
                 raise ValueError(f"URL parameter 'db' must be a database number, not {raw!r}")
             options[name] = int(raw)
@@ -166,7 +255,9 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("url", _parse_url, "redis://localhost:6379/0",
-            "Redis to use: `redis://[user:pass@]host:port/db`, `rediss://` for TLS, `unix:///path.sock`."),
+            "Redis to use: `redis://[user:pass@]host:port/db`, `rediss://` for TLS, `unix:///path.sock`; "
+            "Redis Cluster `redis+cluster://host:port,host:port`; Sentinel "
+            "`redis+sentinel://host:port,host:port/SERVICE[/db]` (`rediss+...` for TLS)."),
     Setting("namespace", _parse_namespace, "kvredis",
             "Key prefix; tenants sharing one Redis use different namespaces."),
     Setting("ttl_s", _positive_float, 300.0,
@@ -207,7 +298,15 @@ _SECRET_QUERY = re.compile(r"(?i)pass|secret|token|key(?!file)")
 
 
 def _mask_url(url: str) -> str:
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # unparseable (a stray IPv6 bracket): hide whatever could be a secret
+        scheme, sep, rest = url.partition("://")
+        rest = rest.partition("?")[0] + ("?***" if "?" in rest else "")
+        userinfo, at, hosts = rest.rpartition("@")
+        if at:
+            rest = f"{userinfo.partition(':')[0]}:***@{hosts}"
+        return f"{scheme}{sep}{rest}"
     if parts.query:
         # A refused URL is quoted in its ConfigError: a ?password=... there must not be printed either.
         pairs = parse_qsl(parts.query, keep_blank_values=True)
@@ -290,6 +389,8 @@ class KVRedisConfig:
 
         ``KVREDIS_USERNAME``/``KVREDIS_PASSWORD`` win over the URL's user and password, and the
         ``KVREDIS_TLS_*`` files over the URL's ``ssl_*`` parameters (redis-py alone would let the URL win).
+        For a cluster or sentinel URL the credentials are the data nodes'; the options may also hold ``db``
+        and ``sentinel_username``/``sentinel_password`` (see :meth:`topology` for the nodes).
         """
         parts = urlsplit(self.url)
         try:
@@ -304,13 +405,20 @@ class KVRedisConfig:
             options["username"] = self.username
         if self.password is not None:
             options["password"] = self.password
-        if parts.scheme == "rediss":
+        if parts.scheme in _TLS_SCHEMES:
             for name, option in (("tls_ca_file", "ssl_ca_certs"), ("tls_cert_file", "ssl_certfile"),
                                  ("tls_key_file", "ssl_keyfile")):
                 if getattr(self, name) is not None:
                     options[option] = getattr(self, name)
         host = parts.netloc.rpartition("@")[2]
         return f"{parts.scheme}://{host}{parts.path}", options
+
+    def topology(self) -> Topology:
+        """Single server, Redis Cluster or Sentinel, and the nodes to reach it through."""
+        try:
+            return _topology(self.url)
+        except ValueError as exc:  # checked when the config was made; a file may have gone since
+            raise ConfigError(f"KVREDIS_URL={self.masked_url}: {exc}") from None
 
     @property
     def masked_url(self) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from kvredis.errors import KVRedisError
 
 _CRLF = b"\r\n"
+_REDIRECTIONS = ("MOVED ", "ASK ", "TRYAGAIN ")
 _LINE_LIMIT = 4096
 
 
@@ -114,13 +115,18 @@ class BulkReader:
 
 
 def take_into(
-    sock: socket.socket, keys: Sequence[str], sizes: Sequence[int], out: memoryview, window_bytes: int
+    sock: socket.socket, keys: Sequence[str], sizes: Sequence[int], out: memoryview, window_bytes: int,
+    redirected: list[int] | None = None,
 ) -> tuple[int, str] | None:
     """GETDEL ``keys`` into consecutive slices of ``out``, keeping about ``window_bytes`` requested ahead.
 
     Returns ``None`` when every piece arrived whole, else the index of the first bad one and why
     (see :meth:`BulkReader.read_bulk_into`). No request is sent after a bad piece, and every request sent
     is read back, so the connection stays in step.
+
+    With a ``redirected`` list (Redis Cluster), a ``MOVED``/``ASK``/``TRYAGAIN`` reply (the key's slot is
+    being resharded: the server did not run that GETDEL) appends the piece's index there and the read goes
+    on; the caller fetches those pieces elsewhere. Without it, such a reply raises :class:`RespError`.
     """
     reader = BulkReader(sock)
     offsets = [0]
@@ -136,7 +142,13 @@ def take_into(
             sent += 1
         if batch:
             sock.sendall(b"".join(batch))
-        problem = reader.read_bulk_into(out[offsets[received]:offsets[received + 1]])
+        try:
+            problem = reader.read_bulk_into(out[offsets[received]:offsets[received + 1]])
+        except RespError as exc:  # the error line was read whole: the connection is still in step
+            if redirected is None or not str(exc).startswith(_REDIRECTIONS):
+                raise
+            redirected.append(received)
+            problem = None
         if problem is not None and failure is None:
             failure = (received, problem)
         in_flight -= sizes[received]

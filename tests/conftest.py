@@ -1,4 +1,5 @@
-"""Shared fixtures: Redis back ends (fakeredis and a real server), chosen by fixture parameter."""
+"""Shared fixtures: Redis back ends (fakeredis, a real server, a Redis Cluster, Sentinel), chosen by fixture
+parameter. The cluster and Sentinel back ends are started once per session, only by the tests that ask."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import redis
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from redis_servers import RedisServer
+from redis_servers import ClusterServers, RedisServer, SentinelServers
 
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
@@ -57,6 +58,29 @@ def redis_server() -> Iterator[Callable[..., RedisServer]]:
         server.__exit__(None, None, None)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[ClusterServers]:
+    """A 3-primary Redis Cluster with a replica per primary (hz 100: blocking pops time out to 10 ms),
+    shared by the session: do not kill its nodes."""
+    try:
+        cluster = ClusterServers(primaries=3, replicas=1, extra_args=["--hz", "100"]).start()
+    except (RuntimeError, OSError) as exc:
+        _unavailable(f"cannot start a Redis Cluster: {exc}")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel() -> Iterator[SentinelServers]:
+    """A primary, a replica and three sentinels, shared by the session: do not kill them."""
+    try:
+        servers = SentinelServers().start()
+    except (RuntimeError, OSError) as exc:
+        _unavailable(f"cannot start Redis Sentinel: {exc}")
+    yield servers
+    servers.stop()
+
+
 @pytest.fixture
 def namespace() -> str:
     """A namespace no other test uses."""
@@ -65,7 +89,8 @@ def namespace() -> str:
 
 @pytest.fixture(params=["fake", "real"])
 def backend(request: pytest.FixtureRequest) -> str:
-    """Which Redis the test runs on: fakeredis in-process, or a real server."""
+    """Which Redis the test runs on: fakeredis in-process, or a real server (``cluster`` and ``sentinel``
+    too, where a test module overrides this fixture's parameters)."""
     return str(request.param)
 
 
@@ -76,7 +101,11 @@ def make_buffer(
     """Build lookup buffers on the chosen back end, all sharing one Redis and one test namespace."""
     buffers: list[RedisLookupBuffer] = []
     fake_server: Any = None
-    url = request.getfixturevalue("real_redis_url") if backend == "real" else "redis://fake:6379/0"
+    url = {
+        "real": lambda: request.getfixturevalue("real_redis_url"),
+        "cluster": lambda: request.getfixturevalue("redis_cluster").url,
+        "sentinel": lambda: request.getfixturevalue("redis_sentinel").url,
+    }.get(backend, lambda: "redis://fake:6379/0")()
     if backend == "fake":
         import fakeredis
 
