@@ -169,16 +169,23 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
 
 
 def redis_ping(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether the Redis at ``url`` answers PING."""
-    import redis
+    """Whether the Redis at ``url`` answers PING (any URL kvredis takes, cluster and sentinel included)."""
+    from kvredis.client import RedisStore
+    from kvredis.config import KVRedisConfig
+    from kvredis.errors import KVRedisError
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    overrides = {"url": url, "connect_timeout_s": timeout_s, "socket_timeout_s": timeout_s}
     try:
-        return bool(client.ping())
-    except redis.RedisError:
+        store = RedisStore(KVRedisConfig.from_env(overrides=overrides))
+    except KVRedisError:
+        return False
+    try:
+        store.ping()
+        return True
+    except KVRedisError:
         return False
     finally:
-        client.close()
+        store.close()
 
 
 # -- children -------------------------------------------------------------------------------------
