@@ -18,6 +18,10 @@ blocking pop, bounded by ``KVREDIS_POP_TIMEOUT_S``, and writes the pages into th
 that fails for any reason (missing, expired, evicted, corrupt, another model or layout, Redis down or
 slow) reports the request's blocks through ``get_block_ids_with_load_errors``, so vLLM recomputes them
 (``kv_load_failure_policy: "recompute"``). Only this module imports vLLM.
+
+The counters of :data:`STATS` (requests and tokens loaded, saved or failed, failed lookups) travel through
+vLLM's KV-connector stats from the worker processes to the API server, which logs them ("KV Transfer
+metrics") and serves them on ``/metrics`` as ``vllm:kvredis_<name>_total``.
 """
 
 from __future__ import annotations

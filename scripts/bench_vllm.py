@@ -41,6 +41,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -216,6 +217,7 @@ def main() -> int:
         return torch.randint(4, 1024, (args.prompt_tokens,), generator=generator).tolist()
 
     results: dict[str, Any] = {}
+    print(f"work folder (model, engine logs): {workdir}", flush=True)
     try:
         while not all(server.ready() for server in servers):
             time.sleep(0.5)
@@ -337,6 +339,7 @@ def main() -> int:
           f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    shutil.rmtree(workdir, ignore_errors=True)  # kept when something failed: the engines' logs are there
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/, for redis_servers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for redis_servers
 
 # vLLM reads these when it is imported and when an engine starts: the CPU platform, no hub, a small KV cache.
 _HF_HOME = tempfile.mkdtemp(prefix="kvredis-hf-")

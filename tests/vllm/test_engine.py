@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 DECODE_TOKENS = 8
-POP_TIMEOUT_S = 3.0
+POP_TIMEOUT_S = 5.0  # the default: how long a decode that outran its prefill's write waits for it
 LENGTHS = [5, 20, 31, 32, 33, 64, 65, 100, 257, 513, 1000, 1500]
 """Prompt lengths: shorter than a block (5, 20, 31), whole blocks (32, 64), k*32+1 (33, 65, 257, 513),
 ~1000 tokens and more."""
@@ -199,6 +199,20 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         for engine in servers:
             engine.stop()
         server.__exit__(None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(deployment: Deployment) -> Iterator[None]:
+    """Each test checks it leaves no key; this keeps one failure from cascading into the next tests."""
+    yield
+    if deployment.redis.process is not None and deployment.redis.process.poll() is None:
+        client = deployment.redis.client()
+        try:
+            leftover = deployment.keys()
+            if leftover:
+                client.delete(*leftover)
+        finally:
+            client.close()
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
