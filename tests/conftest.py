@@ -134,3 +134,25 @@ def make_buffer(
 def namespace_keys(buffer: RedisLookupBuffer) -> list[str]:
     """Every key under the buffer's namespace."""
     return list(buffer.store.scan(f"{buffer.config.namespace}:*"))
+
+
+@pytest.fixture
+def buffer_defaults() -> dict[str, Any]:
+    """Short bounds for the buffers of fault tests; a test module overrides this fixture to change them."""
+    return {"pop_timeout_s": 0.3, "connect_timeout_s": 1.0, "socket_timeout_s": 2.0}
+
+
+@pytest.fixture
+def buffers(buffer_defaults: dict[str, Any]) -> Iterator[Callable[..., RedisLookupBuffer]]:
+    """Lookup buffers on a given URL and namespace, closed after the test."""
+    made: list[RedisLookupBuffer] = []
+
+    def make(url: str, namespace: str, **overrides: Any) -> RedisLookupBuffer:
+        settings = {"url": url, "namespace": namespace, **buffer_defaults, **overrides}
+        buffer = RedisLookupBuffer(KVRedisConfig.from_env({}, settings))
+        made.append(buffer)
+        return buffer
+
+    yield make
+    for buffer in made:
+        buffer.close()

@@ -288,3 +288,19 @@ def test_unreachable_redis_fails_clearly_within_the_connect_timeout(namespace):
         with pytest.raises(KVRedisConnectionError):
             buffer.drop_select(tokens, None)
         assert time.monotonic() - started < 2.0
+
+
+def redis_backed_tests() -> dict[str, object]:
+    """This module's tests that get their Redis from ``make_buffer`` or ``real_redis_url``, by name.
+
+    Another test module runs them against another Redis (a cluster, Sentinel) by adding them to its
+    globals and overriding those fixtures.
+    """
+    import inspect
+
+    wanted = {"make_buffer", "real_redis_url"}
+    return {
+        name: test for name, test in globals().items()
+        if name.startswith("test_") and inspect.isfunction(test)
+        and wanted & set(inspect.signature(test).parameters)
+    }

@@ -7,7 +7,6 @@ session); the failover test starts a cluster of its own, since it kills a node.
 
 from __future__ import annotations
 
-import inspect
 import random
 import threading
 import time
@@ -36,10 +35,7 @@ MISS = [None] * 5
 # --- the core buffer tests, through the cluster ---------------------------------------------------------
 # Every test of test_buffer.py that takes its Redis from ``make_buffer`` or ``real_redis_url`` runs here
 # again, with those fixtures pointing at the cluster.
-_REDIS_FIXTURES = {"make_buffer", "real_redis_url"}
-for _name, _test in inspect.getmembers(test_buffer, inspect.isfunction):
-    if _name.startswith("test_") and _REDIS_FIXTURES & set(inspect.signature(_test).parameters):
-        globals()[_name] = _test
+globals().update(test_buffer.redis_backed_tests())
 
 
 @pytest.fixture(params=["cluster"])
@@ -53,20 +49,8 @@ def real_redis_url(redis_cluster: ClusterServers) -> str:
 
 
 @pytest.fixture
-def buffers() -> Iterator[Callable[..., RedisLookupBuffer]]:
-    """Lookup buffers on a given URL, closed after the test."""
-    made: list[RedisLookupBuffer] = []
-
-    def make(url: str, namespace: str, **overrides: Any) -> RedisLookupBuffer:
-        settings = {"url": url, "namespace": namespace, "pop_timeout_s": 0.3, "connect_timeout_s": 1.0,
-                    "socket_timeout_s": 3.0, **overrides}
-        buffer = RedisLookupBuffer(KVRedisConfig.from_env({}, settings))
-        made.append(buffer)
-        return buffer
-
-    yield make
-    for buffer in made:
-        buffer.close()
+def buffer_defaults() -> dict[str, Any]:
+    return {"pop_timeout_s": 0.3, "connect_timeout_s": 1.0, "socket_timeout_s": 3.0}
 
 
 def entry_slot(buffer: RedisLookupBuffer, tokens: torch.Tensor) -> int:

@@ -23,32 +23,11 @@ from redis_servers import RedisServer
 from test_buffer import assert_entry, identical, kv_entry, random_tensor
 
 from kvredis import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError, resp
-from kvredis.buffer import RedisLookupBuffer
-from kvredis.config import KVRedisConfig
 
 MISS = [None] * 5
 SLACK_S = 0.5  # scheduling and start-up slack on a loaded 2-core machine
 
 
-def make_config(url: str, namespace: str, **overrides: Any) -> KVRedisConfig:
-    settings = {"url": url, "namespace": namespace, "pop_timeout_s": 0.3, "connect_timeout_s": 1.0,
-                "socket_timeout_s": 2.0, **overrides}
-    return KVRedisConfig.from_env({}, settings)
-
-
-@pytest.fixture
-def buffers() -> Iterator[Callable[..., RedisLookupBuffer]]:
-    """Lookup buffers closed after the test."""
-    made: list[RedisLookupBuffer] = []
-
-    def make(url: str, namespace: str, **overrides: Any) -> RedisLookupBuffer:
-        buffer = RedisLookupBuffer(make_config(url, namespace, **overrides))
-        made.append(buffer)
-        return buffer
-
-    yield make
-    for buffer in made:
-        buffer.close()
 
 
 def keys_of(server: RedisServer, namespace: str) -> list[bytes]:

@@ -7,10 +7,9 @@ test starts one of its own, since it kills the primary.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ from test_buffer import assert_entry, kv_entry
 from test_cluster import make_entries
 
 from kvredis import KVRedisConnectionError, KVRedisError
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
@@ -29,10 +27,7 @@ MISS = [None] * 5
 
 # Every test of test_buffer.py that takes its Redis from ``make_buffer`` or ``real_redis_url`` runs here
 # again, through Sentinel.
-_REDIS_FIXTURES = {"make_buffer", "real_redis_url"}
-for _name, _test in inspect.getmembers(test_buffer, inspect.isfunction):
-    if _name.startswith("test_") and _REDIS_FIXTURES & set(inspect.signature(_test).parameters):
-        globals()[_name] = _test
+globals().update(test_buffer.redis_backed_tests())
 
 
 @pytest.fixture(params=["sentinel"])
@@ -46,20 +41,8 @@ def real_redis_url(redis_sentinel: SentinelServers) -> str:
 
 
 @pytest.fixture
-def buffers() -> Iterator[Callable[..., RedisLookupBuffer]]:
-    """Lookup buffers on a given URL, closed after the test."""
-    made: list[RedisLookupBuffer] = []
-
-    def make(url: str, namespace: str, **overrides: Any) -> RedisLookupBuffer:
-        settings = {"url": url, "namespace": namespace, "pop_timeout_s": 0.3, "connect_timeout_s": 0.5,
-                    "socket_timeout_s": 2.0, **overrides}
-        buffer = RedisLookupBuffer(KVRedisConfig.from_env({}, settings))
-        made.append(buffer)
-        return buffer
-
-    yield make
-    for buffer in made:
-        buffer.close()
+def buffer_defaults() -> dict[str, Any]:
+    return {"pop_timeout_s": 0.3, "connect_timeout_s": 0.5, "socket_timeout_s": 2.0}
 
 
 # --- URLs --------------------------------------------------------------------------------------------
