@@ -6,7 +6,9 @@ first waits for the writer, and entries are taken in any order. A small entry's 
 the record; a larger one is written first as pieces of ``chunk_bytes`` under their own keys, and its
 record is pushed only after every piece is stored, so a reader never sees a half-written entry. The
 reader takes the pieces with GETDEL; if any is gone (evicted, expired) the entry counts as missing and
-nothing of it is returned. Every key carries the TTL; a taken entry leaves no key behind.
+nothing of it is returned. An unusable record (corrupt, foreign, missing a piece) ends the wait: records
+already queued behind it are still tried, but the reader does not block again for one that may never come.
+Every key carries the TTL; a taken entry leaves no key behind.
 """
 
 from __future__ import annotations
@@ -131,6 +133,10 @@ class RedisLookupBuffer:
         cause = "absent"
         try:
             while (remaining := deadline - time.monotonic()) > 0:
+                if cause != "absent":
+                    # The prompt's entry came and was unusable: the wait is over (a prefill writes one
+                    # entry per prompt), but records queued behind it are still tried.
+                    remaining = 0.0
                 try:
                     record = self.store.pop_record(keys.queue, remaining)
                 except WrongTypeError as exc:

@@ -173,6 +173,17 @@ def test_a_corrupt_record_is_rejected_and_the_next_entry_returned(make_buffer):
     assert buffer.metrics["dropped_foreign"] == 1 and buffer.metrics["misses"] == 0
 
 
+def test_an_unusable_record_ends_the_wait(make_buffer):
+    # The prompt's one entry came and was unusable: the reader reports a miss at once, not after the bound.
+    buffer = make_buffer(pop_timeout_s=5.0)
+    tokens, _, _, _ = kv_entry(9)
+    buffer.store.redis.rpush(buffer.keyspace.entry(tokens).queue, b"KVR corrupt")
+    began = time.monotonic()
+    assert buffer.drop_select(tokens, None) == [None] * 5
+    assert time.monotonic() - began < 1.0
+    assert buffer.metrics["miss_corrupt"] + buffer.metrics["miss_foreign"] == 1
+
+
 def test_a_record_for_other_tokens_under_the_key_is_rejected(make_buffer):
     buffer = make_buffer(pop_timeout_s=0.2)
     tokens, key, value, hidden = kv_entry(9)
