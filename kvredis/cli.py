@@ -132,6 +132,9 @@ def _stack_options(args: argparse.Namespace, proxy_port: int) -> StackOptions:
         startup_timeout_s=args.startup_timeout,
         stop_grace_s=args.stop_grace,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances,
+        policy=args.policy,
     )
 
 
@@ -219,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)")
         sub.add_argument("--log-dir", metavar="DIR",
                          help="where the logs go (default: a new temporary folder)")
+        sub.add_argument("--prefill-instances", type=_positive(int), default=1, metavar="N",
+                         help="prefill vLLM servers behind the proxy (default: %(default)s)")
+        sub.add_argument("--decode-instances", type=_positive(int), default=1, metavar="M",
+                         help="decode vLLM servers behind the proxy (default: %(default)s)")
+        sub.add_argument("--policy", choices=("round_robin", "least_outstanding"), default="round_robin",
+                         help="how the proxy picks among several instances of a role (default: %(default)s)")
         return sub
 
     up = with_stack(commands.add_parser("up", help="run Redis, prefill and decode vLLM and the proxy here"),

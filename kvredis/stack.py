@@ -1,14 +1,16 @@
-"""The one-machine stack behind ``kvredis up`` and ``kvredis demo``: Redis, two vLLM servers and the proxy.
+"""The one-machine stack behind ``kvredis up`` and ``kvredis demo``: Redis, vLLM servers and the proxy.
 
 The stack runs every part as a child process in its own process group, with its output in a log file:
 an embedded Redis (``redis-server`` from the PATH on a free port with nothing on disk; fakeredis's TCP
 server inside this process when there is no ``redis-server``; or the Redis that ``KVREDIS_URL`` names),
 a prefill (``kv_producer``) and a decode (``kv_consumer``) ``vllm serve`` on a tiny Llama written locally
-(:mod:`kvredis.tinymodel`), and the disaggregation proxy (``kvredis proxy``). Parts start phase by phase
-(Redis, then both engines at once, then the proxy), each phase waiting for its members' health checks
-within a bound. A part that exits or stays unhealthy stops the whole stack with a :class:`ChildFailed`
-that names it and quotes the end of its log. Stopping sends SIGTERM to each process group (so vLLM's engine
-core and worker processes get it too) and SIGKILL to what is left after a grace period.
+(:mod:`kvredis.tinymodel`; ``StackOptions.prefill_instances``/``decode_instances`` start more of each, named
+``prefill-1``.. and ``decode-1``..), and the disaggregation proxy (``kvredis proxy``), given every instance.
+Parts start phase by phase (Redis, then all engines at once, then the proxy), each phase waiting for its
+members' health checks within a bound. A part that exits or stays unhealthy stops the whole stack with a
+:class:`ChildFailed` that names it and quotes the end of its log. Stopping sends SIGTERM to each process
+group (so vLLM's engine core and worker processes get it too) and SIGKILL to what is left after a grace
+period.
 
 ``kvredis demo`` then sends completions through the proxy and checks every answer against the prefill
 engine's own answer for the same request (computed there alone, without disaggregation), and that every
@@ -413,6 +415,10 @@ class StackOptions:
     stop_grace_s: float = 20.0
     log_dir: Path | None = None
     max_model_len: int = 1024
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    policy: str = "round_robin"
+    """How the proxy picks among several instances of a role (see :data:`kvredis.proxy.POLICIES`)."""
 
 
 @dataclass
@@ -429,6 +435,16 @@ class RunningStack:
     namespace: str
     log_dir: Path
     in_process_rows: list[tuple[str, str, str, str]] = field(default_factory=list)
+    prefill_urls: list[str] = field(default_factory=list)
+    """Every prefill instance (``prefill_url`` is the first); filled in from it when left empty."""
+    decode_urls: list[str] = field(default_factory=list)
+    """Every decode instance (``decode_url`` is the first); filled in from it when left empty."""
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls:
+            self.prefill_urls = [self.prefill_url]
+        if not self.decode_urls:
+            self.decode_urls = [self.decode_url]
 
     def describe(self, example: bool = True) -> str:
         """The proxy's address, a table of the running processes and (``example``) a request to try."""
@@ -527,7 +543,7 @@ def _engine_spec(
     transfer = {
         "kv_connector": "KVRedisConnector",
         "kv_connector_module_path": "kvredis.vllm",
-        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_role": "kv_producer" if role.startswith("prefill") else "kv_consumer",
         # A decode whose KV cannot be loaded computes it instead of failing the request.
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
@@ -559,12 +575,20 @@ def _engine_spec(
                      startup_timeout_s=options.startup_timeout_s)
 
 
-def _proxy_spec(options: StackOptions, port: int, prefill_url: str, decode_url: str) -> ChildSpec:
+def _proxy_spec(
+    options: StackOptions, port: int, prefill_urls: str | Sequence[str], decode_urls: str | Sequence[str]
+) -> ChildSpec:
     url = f"http://{options.host}:{port}"
-    argv = [
-        sys.executable, "-m", "kvredis.cli", "proxy", "--prefill", prefill_url, "--decode", decode_url,
-        "--host", options.host, "--port", str(port),
-    ]
+    prefills = [prefill_urls] if isinstance(prefill_urls, str) else list(prefill_urls)
+    decodes = [decode_urls] if isinstance(decode_urls, str) else list(decode_urls)
+    argv = [sys.executable, "-m", "kvredis.cli", "proxy"]
+    for prefill_url in prefills:
+        argv += ["--prefill", prefill_url]
+    for decode_url in decodes:
+        argv += ["--decode", decode_url]
+    argv += ["--host", options.host, "--port", str(port)]
+    if options.policy != "round_robin":
+        argv += ["--policy", options.policy]
     return ChildSpec("proxy", argv, url, lambda: http_ok(url + "/health"), startup_timeout_s=_PROXY_STARTUP_S)
 
 
@@ -574,6 +598,7 @@ def open_stack(
 ) -> Iterator[RunningStack]:
     """Start the whole stack and yield where it runs; stop every part on exit, however it is left."""
     out = out if out is not None else sys.stderr
+    _check_instances(options)
     engine_command = list(options.engine_command or default_engine_command(command))
     log_dir = Path(options.log_dir) if options.log_dir else Path(tempfile.mkdtemp(prefix="kvredis-stack-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -608,23 +633,29 @@ def open_stack(
             model_dir = log_dir / "tiny-llama"
             _write_tiny_model(model_dir)
             model, served_name, tiny = str(model_dir), TINY_MODEL_NAME, True
-        prefill_port, decode_port, proxy_port = free_ports(3, options.host)
+        ports = free_ports(options.prefill_instances + options.decode_instances + 1, options.host)
+        proxy_port = ports.pop()
         if options.proxy_port:
             proxy_port = options.proxy_port
             # Checked now rather than found out when the proxy starts, after the engines' long start.
             _check_port_free(options.host, proxy_port)
+        roles = [*_role_names("prefill", options.prefill_instances),
+                 *_role_names("decode", options.decode_instances)]
         engines = [
             _engine_spec(role, engine_command, options, model, served_name, port, engine_redis_url,
                          log_dir / f"metrics-{role}", tiny)
-            for role, port in (("prefill", prefill_port), ("decode", decode_port))
+            for role, port in zip(roles, ports, strict=True)
         ]
+        prefill_urls = [spec.url for spec in engines[: options.prefill_instances]]
+        decode_urls = [spec.url for spec in engines[options.prefill_instances :]]
         phases.append(engines)
-        phases.append([_proxy_spec(options, proxy_port, engines[0].url, engines[1].url)])
+        phases.append([_proxy_spec(options, proxy_port, prefill_urls, decode_urls)])
         stack = Stack(phases, log_dir, stop_grace_s=options.stop_grace_s, out=out)
         running = RunningStack(
-            stack, phases[-1][0].url, engines[0].url, engines[1].url, redis_url, redis_kind, served_name,
+            stack, phases[-1][0].url, prefill_urls[0], decode_urls[0], redis_url, redis_kind, served_name,
             options.namespace, log_dir,
             [(str(os.getpid()), "redis", redis_url, "(fakeredis, in this process)")] if in_process else [],
+            prefill_urls, decode_urls,
         )
         with stack:
             yield running
@@ -633,6 +664,21 @@ def open_stack(
             in_process.close()
         if model_dir is not None:
             shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def _role_names(role: str, count: int) -> list[str]:
+    """``role`` alone for one instance (its log stays ``prefill.log``), else ``role-1`` .. ``role-N``."""
+    return [role] if count == 1 else [f"{role}-{index}" for index in range(1, count + 1)]
+
+
+def _check_instances(options: StackOptions) -> None:
+    from kvredis.proxy import POLICIES
+
+    for role, count in (("prefill", options.prefill_instances), ("decode", options.decode_instances)):
+        if count < 1:
+            raise StackError(f"the stack needs at least one {role} instance, not {count}")
+    if options.policy not in POLICIES:
+        raise StackError(f"policy {options.policy!r} is not one of {', '.join(POLICIES)}")
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -795,19 +841,19 @@ def _progress(items: Sequence[DemoRequest], what: str, out: TextIO) -> Iterator[
 
 
 def _run_disaggregated(running: RunningStack, request: DemoRequest, prompt: str) -> DemoResult:
-    decode_before = _kvredis_metrics(running.decode_url, running.namespace)
-    prefill_before = _kvredis_metrics(running.prefill_url, running.namespace)
+    decode_before = _all_kvredis_metrics(running.decode_urls, running.namespace)
+    prefill_before = _all_kvredis_metrics(running.prefill_urls, running.namespace)
     body = {
         "model": running.model, "prompt": prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }
     answer, usage, ttft_s = _stream_completion(running.proxy_url, body)
-    decode = _delta(_kvredis_metrics(running.decode_url, running.namespace), decode_before)
+    decode = _delta(_all_kvredis_metrics(running.decode_urls, running.namespace), decode_before)
     # The prefill writes to Redis on a background thread and counts when the write ends, which can be
     # after the decode took the entry; wait (bounded) for the count.
     deadline = time.monotonic() + 5.0
     while True:
-        prefill = _delta(_kvredis_metrics(running.prefill_url, running.namespace), prefill_before)
+        prefill = _delta(_all_kvredis_metrics(running.prefill_urls, running.namespace), prefill_before)
         if prefill.get("kvredis_entries_stored_total", 0) >= 1 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -932,6 +978,15 @@ def _kvredis_metrics(base_url: str, namespace: str) -> dict[str, float]:
     finally:
         connection.close()
     return parse_samples(raw, "kvredis_", {"namespace": namespace})
+
+
+def _all_kvredis_metrics(base_urls: Sequence[str], namespace: str) -> dict[str, float]:
+    """:func:`_kvredis_metrics` summed over several engines (the demo sends one request at a time)."""
+    total: dict[str, float] = {}
+    for base_url in base_urls:
+        for name, value in _kvredis_metrics(base_url, namespace).items():
+            total[name] = total.get(name, 0.0) + value
+    return total
 
 
 def parse_samples(text: str, prefix: str, match: Mapping[str, str]) -> dict[str, float]:

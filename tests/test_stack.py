@@ -493,3 +493,64 @@ def test_a_busy_proxy_port_is_refused_before_the_engines_start(tmp_path: Path, f
                 open_stack(options, out=sys.stderr):
             pass
     assert not list((tmp_path / "logs").glob("*.log"))
+
+
+def test_open_stack_starts_several_instances_of_each_role_behind_the_proxy(
+    tmp_path: Path, fake_engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("fakeredis").TcpFakeServer  # noqa: B018
+    pytest.importorskip("aiohttp")
+    monkeypatch.setattr(stack_module.shutil, "which", lambda name: None)
+    options = StackOptions(model="stand-in", engine_command=fake_engine.split(), proxy_port=0,
+                           log_dir=tmp_path / "logs", startup_timeout_s=BOUND_S, prefill_instances=2,
+                           decode_instances=3, policy="least_outstanding")
+    with open_stack(options, out=sys.stderr) as running_stack:
+        roles = [role for _, role, _, _ in running_stack.stack.rows()]
+        assert roles == ["prefill-1", "prefill-2", "decode-1", "decode-2", "decode-3", "proxy"]
+        assert {log.name for log in (tmp_path / "logs").glob("*.log")} == {f"{role}.log" for role in roles}
+        assert len(running_stack.prefill_urls) == 2 and len(running_stack.decode_urls) == 3
+        assert len({*running_stack.prefill_urls, *running_stack.decode_urls, running_stack.proxy_url}) == 6
+        assert running_stack.prefill_url == running_stack.prefill_urls[0]
+        assert running_stack.decode_url == running_stack.decode_urls[0]
+        proxy_argv = list(running_stack.stack.children[-1].spec.argv)
+        assert [proxy_argv[i + 1] for i, arg in enumerate(proxy_argv) if arg == "--prefill"] == \
+            running_stack.prefill_urls
+        assert [proxy_argv[i + 1] for i, arg in enumerate(proxy_argv) if arg == "--decode"] == \
+            running_stack.decode_urls
+        assert proxy_argv[proxy_argv.index("--policy") + 1] == "least_outstanding"
+        for _ in range(3):
+            answer = completion_through(running_stack.proxy_url)
+            assert answer["choices"] == [{"text": "kv_consumer", "index": 0}]
+            assert answer["seen"] == {"from": "kv_producer"}
+        pids = [child.pid for child in running_stack.stack.children]
+    assert_all_gone(pids)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"prefill_instances": 0}, "at least one prefill instance"),
+    ({"decode_instances": -1}, "at least one decode instance"),
+    ({"policy": "random"}, "policy 'random' is not one of"),
+])
+def test_open_stack_refuses_bad_instance_options(
+    tmp_path: Path, fake_engine: str, changes: dict[str, object], message: str
+) -> None:
+    options = StackOptions(model="x", engine_command=fake_engine.split(), log_dir=tmp_path / "logs",
+                           **changes)  # type: ignore[arg-type]
+    with pytest.raises(StackError, match=message), open_stack(options, out=sys.stderr):
+        pass
+
+
+def test_up_and_demo_take_instance_counts_and_policy() -> None:
+    from kvredis.cli import _stack_options, build_parser
+
+    for command in ("up", "demo"):
+        args = build_parser().parse_args(
+            [command, "--prefill-instances", "2", "--decode-instances", "3", "--policy", "least_outstanding"])
+        options = _stack_options(args, args.port)
+        assert (options.prefill_instances, options.decode_instances, options.policy) == (
+            2, 3, "least_outstanding")
+        defaults = _stack_options(build_parser().parse_args([command]), 0)
+        assert (defaults.prefill_instances, defaults.decode_instances, defaults.policy) == (
+            1, 1, "round_robin")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--prefill-instances", "0"])

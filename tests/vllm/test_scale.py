@@ -1,0 +1,190 @@
+"""Two prefill and two decode vLLM engines behind the proxy (CPU build, tiny model), all answering correctly.
+
+Runs in the vLLM environment (``scripts/test.sh`` builds it), like ``test_demo.py``: the stack starts its own
+``redis-server`` (or uses ``KVREDIS_URL``) and refuses fakeredis. Completions of several prompt lengths go
+through the proxy, several at once; each answer must equal the answer of a prefill engine computing alone
+(a fresh ``cache_salt``, straight to the engine), each decode must have taken all but the last prompt token
+from Redis, and every one of the four engines must have served requests (each engine's own ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+# "vllm.version", not "vllm": see test_demo.py.
+pytest.importorskip("vllm.version")
+
+from kvredis.stack import (
+    RunningStack,
+    StackOptions,
+    _connection,
+    _kvredis_metrics,
+    _post_json,
+    _purge,
+    _stream_completion,
+    demo_requests,
+    group_alive,
+    open_stack,
+    parse_samples,
+)
+from kvredis.tinymodel import prompt_text
+
+# Four engines start in about two minutes on two cores (each takes 30-40 s alone); the bound leaves room for a
+# loaded machine without letting a hang run forever.
+STARTUP_BOUND_S = 420.0
+REQUESTS = 8
+CONCURRENCY = 4
+MAX_TOKENS = 8
+# How long a decode waits for its entry (KVREDIS_POP_TIMEOUT_S, 5 s by default). Four engines warming up at
+# once on two cores can take longer than 5 s between the prefill's answer and the end of its first background
+# write; the decode would then recompute (cached_tokens 0). The bound only matters when the entry is late.
+POP_TIMEOUT_S = "60"
+
+
+@pytest.fixture(scope="module")
+def scaled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    """The stack with two prefill and two decode engines, in a namespace of its own."""
+    if shutil.which("redis-server") is None and not os.environ.get("KVREDIS_URL"):
+        pytest.skip("neither redis-server on the PATH nor KVREDIS_URL: the stack would run on fakeredis")
+    options = StackOptions(
+        redis_url=os.environ.get("KVREDIS_URL") or None,
+        namespace=f"kvredis-scale-{uuid.uuid4().hex[:8]}",
+        proxy_port=0,
+        startup_timeout_s=STARTUP_BOUND_S,
+        log_dir=tmp_path_factory.mktemp("scale-logs"),
+        prefill_instances=2,
+        decode_instances=2,
+        policy="round_robin",
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        # The engines inherit the environment (the stack passes only url and namespace to the connector).
+        patch.setenv("KVREDIS_POP_TIMEOUT_S", POP_TIMEOUT_S)
+        with open_stack(options, command="demo", out=sys.stderr) as running:
+            yield running
+            pids = [child.pid for child in running.stack.children]
+    # Stopped: every engine's process group (API server, engine core, workers) is gone.
+    assert not [pid for pid in pids if group_alive(pid)]
+
+
+def _vllm_successes(base_url: str) -> float:
+    """vLLM's count of finished requests on one engine (all finish reasons)."""
+    connection = _connection(base_url, 10.0)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode("utf-8", errors="replace")
+    finally:
+        connection.close()
+    return sum(parse_samples(text, "vllm:request_success_total", {}).values())
+
+
+def _snapshot(running: RunningStack) -> dict[str, dict[str, float]]:
+    """Per engine URL: kvredis's samples of the namespace plus vLLM's finished-request count."""
+    snapshot = {}
+    for url in [*running.prefill_urls, *running.decode_urls]:
+        samples = _kvredis_metrics(url, running.namespace)
+        samples["vllm_success"] = _vllm_successes(url)
+        snapshot[url] = samples
+    return snapshot
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _keys(running: RunningStack) -> list[str]:
+    from kvredis.client import RedisStore
+    from kvredis.config import KVRedisConfig
+
+    config = KVRedisConfig.from_env(overrides={"url": running.redis_url, "namespace": running.namespace})
+    store = RedisStore(config)
+    try:
+        return list(store.scan(f"{config.namespace}:*"))
+    finally:
+        store.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(STARTUP_BOUND_S + 240)
+def test_two_prefill_two_decode_engines_answer_correctly(scaled_stack: RunningStack) -> None:
+    running = scaled_stack
+    assert len(running.prefill_urls) == 2 and len(running.decode_urls) == 2
+    assert [child.spec.role for child in running.stack.children if child.spec.role != "redis"] == [
+        "prefill-1", "prefill-2", "decode-1", "decode-2", "proxy",
+    ]
+    requests = demo_requests(REQUESTS, MAX_TOKENS, seed=7)
+    prompts = [prompt_text(list(request.token_ids)) for request in requests]
+    lengths = [len(request.token_ids) for request in requests]
+    assert len(set(lengths)) == REQUESTS
+
+    before = _snapshot(running)
+    began = time.monotonic()
+
+    def through_proxy(prompt: str) -> tuple[str, dict[str, Any]]:
+        body = {
+            "model": running.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }
+        answer, usage, _ = _stream_completion(running.proxy_url, body)
+        return answer, usage
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        results = list(pool.map(through_proxy, prompts))
+    took = time.monotonic() - began
+    running.stack.check()
+
+    # The prefills count a stored entry when the background write ends, possibly after the decode took it.
+    deadline = time.monotonic() + 10.0
+    while True:
+        after = _snapshot(running)
+        stored = sum(_delta(after[url], before[url], "kvredis_entries_stored_total")
+                     for url in running.prefill_urls)
+        if stored >= REQUESTS or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    report = f"logs in {running.log_dir}\n{before=}\n{after=}"
+    for (answer, usage), length in zip(results, lengths, strict=True):
+        assert usage.get("prompt_tokens") == length, (usage, report)
+        # The decode computed only the last prompt token; the rest came from Redis.
+        assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens") == length - 1, (usage, report)
+        assert answer, (usage, report)
+    assert stored == REQUESTS, report
+    # Round robin over two instances of each role: every engine served half of the requests.
+    for url in [*running.prefill_urls, *running.decode_urls]:
+        assert _delta(after[url], before[url], "vllm_success") == REQUESTS // 2, (url, report)
+    for url in running.prefill_urls:
+        assert _delta(after[url], before[url], "kvredis_entries_stored_total") == REQUESTS // 2, (url, report)
+    for url in running.decode_urls:
+        assert _delta(after[url], before[url], "kvredis_entries_loaded_total") == REQUESTS // 2, (url, report)
+        misses = sum(_delta(after[url], before[url], name) for name in after[url]
+                     if name.startswith("kvredis_misses_total"))
+        assert misses == 0, (url, report)
+        assert _delta(after[url], before[url], 'kvredis_bytes_total{direction="loaded"}') > 0, (url, report)
+    # Every entry the prefills wrote was taken by a decode.
+    assert _keys(running) == []
+
+    # References: each prompt computed by a prefill engine alone (a fresh salt: no prefix-cache reuse), the
+    # prompts alternating between the two prefill engines.
+    for index, (prompt, (answer, _)) in enumerate(zip(prompts, results, strict=True)):
+        body = {
+            "model": running.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "cache_salt": uuid.uuid4().hex,
+        }
+        reference = _post_json(running.prefill_urls[index % 2], "/v1/completions", body)
+        details = (reference.get("usage") or {}).get("prompt_tokens_details") or {}
+        assert details.get("cached_tokens") == 0, reference
+        assert answer == reference["choices"][0]["text"], (index, lengths[index], answer, reference)
+
+    # The references' producers wrote their prompts to Redis too; nothing of the namespace is left after the
+    # purge.
+    _purge(running)
+    assert _keys(running) == []
+    print(f"{REQUESTS} requests, {CONCURRENCY} at a time, through 2 prefill + 2 decode engines: {took:.1f} s")
