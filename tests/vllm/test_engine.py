@@ -9,12 +9,7 @@ touches the machine's shared Redis. Engines start once for the module (40-90 s o
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,107 +22,29 @@ import pytest
 
 pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
 
-import requests
 import torch
 from conftest import BLOCK_SIZE
-from redis_servers import RedisServer, free_port
+from engine_servers import (
+    DECODE_TOKENS,
+    TEST_TIMEOUTS,
+    Server,
+    cached_tokens,
+    counter_delta,
+    prompt_of,
+    start_server,
+    tokens_of,
+    wait_counters,
+    wait_ready,
+)
+from redis_servers import RedisServer
 
 from kvredis import codec
-from kvredis.tinymodel import prompt_text
 from kvredis.vllm import TRANSFER_PARAM
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0
-REQUEST_TIMEOUT_S = 120.0
-DECODE_TOKENS = 8
-# How long a decode that outran its prefill's write waits for it (5 s by default). Three engines share two
-# cores here; a background write seen to finish over 5 s late once made a decode recompute. An unusable entry
-# still ends the wait at once, so only a late entry makes a test wait longer.
-POP_TIMEOUT_S = 20.0
 LENGTHS = [5, 20, 31, 32, 33, 64, 65, 100, 257, 513, 1000, 1500]
 """Prompt lengths: shorter than a block (5, 20, 31), whole blocks (32, 64), k*32+1 (33, 65, 257, 513),
 ~1000 tokens and more."""
-
-
-@dataclass
-class Server:
-    """One ``vllm.entrypoints.openai.api_server`` process; its output goes to ``log``."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    port: int
-    log: Path
-    model: str
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def ready(self) -> bool:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"{self.name} engine exited ({self.process.returncode}):\n{self.log_tail()}")
-        try:
-            return requests.get(f"{self.url}/health", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def complete(self, prompt: list[int], max_tokens: int = DECODE_TOKENS,
-                 params: dict[str, Any] | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "prompt": prompt_text(prompt), "max_tokens": max_tokens,
-                                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-        if params is not None:
-            body["kv_transfer_params"] = params
-        reply = requests.post(f"{self.url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
-        assert reply.status_code == 200, f"{self.name}: {reply.status_code} {reply.text[:500]}"
-        answer = reply.json()
-        assert answer["usage"]["prompt_tokens"] == len(prompt)
-        return answer
-
-    def counters(self) -> dict[str, float]:
-        """The ``vllm:kvredis_*_total`` counters of ``/metrics``, summed over label sets."""
-        text = requests.get(f"{self.url}/metrics", timeout=10).text
-        totals: dict[str, float] = {}
-        for match in re.finditer(r"^vllm:kvredis_(\w+)_total\{[^}]*\} (\S+)$", text, re.MULTILINE):
-            totals[match[1]] = totals.get(match[1], 0.0) + float(match[2])
-        return totals
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the engine core and worker too
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-
-
-def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any] | None,
-                 single_process: bool = False) -> Server:
-    """Start an engine. ``single_process`` runs its worker inside the engine core process (one process
-    less to start on 2 cores); the engines with the connector keep vLLM's default processes."""
-    port = free_port()
-    log = folder / f"{name}.log"
-    # The engines import the kvredis under test (this checkout), whatever the environment has installed.
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path)
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
-            "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--seed", "0",
-            "--enable-prompt-tokens-details"]
-    if kv_config is not None:
-        args += ["--kv-transfer-config", json.dumps(kv_config)]
-    if single_process:
-        args += ["--distributed-executor-backend", "uni"]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env=env, cwd=REPO)
-    return Server(name, process, port, log, str(model))
 
 
 @dataclass
@@ -183,20 +100,13 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         return {"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
                 "kv_role": role, "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"url": server.url, "namespace": namespace,
-                                              "pop_timeout_s": POP_TIMEOUT_S}}
+                                              **TEST_TIMEOUTS}}
 
     servers = [start_server("prefill", tiny_model, folder, kv_config("kv_producer")),
                start_server("decode", tiny_model, folder, kv_config("kv_consumer")),
                start_server("reference", tiny_model, folder, None, single_process=True)]
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        waiting = list(servers)
-        while waiting:
-            waiting = [s for s in waiting if not s.ready()]
-            if waiting and time.monotonic() > deadline:
-                raise RuntimeError("engines not ready in time:\n"
-                                   + "\n".join(f"{s.name}:\n{s.log_tail()}" for s in waiting))
-            time.sleep(0.5)
+        wait_ready(servers, START_TIMEOUT_S)
         yield Deployment(*servers, redis=server, namespace=namespace)
     finally:
         for engine in servers:
@@ -218,30 +128,11 @@ def no_leftovers(deployment: Deployment) -> Iterator[None]:
             client.close()
 
 
-def prompt_of(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, 1024, (length,), generator=generator).tolist()
-
-
 def reference_answers(deployment: Deployment, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """The engine without connector's answers, all at once (engines idling after work spin their cores
     for about a second, so alternating between three engines on two cores would crawl)."""
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(deployment.reference.complete, prompts))
-
-
-def tokens_of(answer: dict[str, Any]) -> list[int]:
-    """The generated token IDs (the text drops special tokens such as EOS)."""
-    return list(answer["choices"][0]["token_ids"])
-
-
-def cached_tokens(answer: dict[str, Any]) -> int:
-    return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-
-
-def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
-    return {name: int(after.get(name, 0) - before.get(name, 0))
-            for name in set(before) | set(after) if after.get(name, 0) != before.get(name, 0)}
 
 
 def diagnosis(deployment: Deployment, prefill_before: dict[str, float]) -> str:
@@ -254,19 +145,6 @@ def diagnosis(deployment: Deployment, prefill_before: dict[str, float]) -> str:
         said = [line for line in server.log_text().splitlines() if "request " in line and "KV" in line]
         lines.append(f"{server.name} log: {said[-5:]}")
     return "\n".join(lines)
-
-
-def wait_counters(server: Server, before: dict[str, float], expected: dict[str, int],
-                  timeout_s: float = 10.0) -> dict[str, int]:
-    """The counters' change once it reaches ``expected`` (vLLM publishes stats after each step)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        delta = counter_delta(before, server.counters())
-        if all(delta.get(name, 0) >= value for name, value in expected.items()):
-            return delta
-        if time.monotonic() > deadline:
-            return delta
-        time.sleep(0.1)
 
 
 # -- the decode output is the same, and its KV came from Redis ---------------------------------------

@@ -23,6 +23,8 @@ import pytest
 # "vllm.version", not "vllm": see test_demo.py.
 pytest.importorskip("vllm.version")
 
+from engine_servers import TEST_TIMEOUT_ENV
+
 from kvredis.stack import (
     RunningStack,
     StackOptions,
@@ -44,10 +46,7 @@ STARTUP_BOUND_S = 420.0
 REQUESTS = 8
 CONCURRENCY = 4
 MAX_TOKENS = 8
-# How long a decode waits for its entry (KVREDIS_POP_TIMEOUT_S, 5 s by default). Four engines warming up at
-# once on two cores can take longer than 5 s between the prefill's answer and the end of its first background
-# write; the decode would then recompute (cached_tokens 0). The bound only matters when the entry is late.
-POP_TIMEOUT_S = "60"
+
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +66,8 @@ def scaled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSt
     )
     with pytest.MonkeyPatch.context() as patch:
         # The engines inherit the environment (the stack passes only url and namespace to the connector).
-        patch.setenv("KVREDIS_POP_TIMEOUT_S", POP_TIMEOUT_S)
+        for name, value in TEST_TIMEOUT_ENV.items():
+            patch.setenv(name, value)
         with open_stack(options, command="demo", out=sys.stderr) as running:
             yield running
             pids = [child.pid for child in running.stack.children]

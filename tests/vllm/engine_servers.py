@@ -1,0 +1,178 @@
+"""Real vLLM engines as separate processes (``vllm.entrypoints.openai.api_server``), for the engine tests.
+
+Each engine runs in its own session, so stopping it reaches its engine core and worker processes, and
+imports the kvredis of this checkout. Requests ask for greedy decoding and the generated token IDs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+from conftest import BLOCK_SIZE
+from redis_servers import free_port
+
+from kvredis.tinymodel import prompt_text
+
+REPO = Path(__file__).resolve().parents[2]
+REQUEST_TIMEOUT_S = 120.0
+DECODE_TOKENS = 8
+# The connector's Redis bounds for engines under test. This VM has been seen to stop for 2-17 s at a time
+# while engines first touch their KV memory (no process ran, no CPU time was counted, Redis answered
+# nothing); any socket or pop bound running then expires, and a decode recomputes what it should have
+# loaded. The defaults (pop 5 s, socket 10 s) are right for a deployment; tests that check every load
+# succeeds need bounds longer than such a freeze. A missing or unusable entry still ends a load at once,
+# and tests that want a timeout set their own.
+TEST_TIMEOUTS = {"pop_timeout_s": 60.0, "socket_timeout_s": 60.0}
+TEST_TIMEOUT_ENV = {"KVREDIS_POP_TIMEOUT_S": "60", "KVREDIS_SOCKET_TIMEOUT_S": "60"}
+
+
+@dataclass
+class Server:
+    """One ``vllm.entrypoints.openai.api_server`` process; its output goes to ``log``."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    model: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"{self.name} engine exited ({self.process.returncode}):\n{self.log_tail()}")
+        try:
+            return requests.get(f"{self.url}/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def complete(self, prompt: list[int], max_tokens: int = DECODE_TOKENS,
+                 params: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+        """A greedy completion; ``params`` are its ``kv_transfer_params``, ``fields`` more body fields."""
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt_text(prompt), "max_tokens": max_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, **fields}
+        if params is not None:
+            body["kv_transfer_params"] = params
+        reply = requests.post(f"{self.url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert reply.status_code == 200, f"{self.name}: {reply.status_code} {reply.text[:500]}"
+        answer = reply.json()
+        assert answer["usage"]["prompt_tokens"] == len(prompt)
+        return answer
+
+    def counters(self) -> dict[str, float]:
+        """The ``vllm:kvredis_*_total`` counters of ``/metrics``, summed over label sets."""
+        text = requests.get(f"{self.url}/metrics", timeout=10).text
+        totals: dict[str, float] = {}
+        for match in re.finditer(r"^vllm:kvredis_(\w+)_total\{[^}]*\} (\S+)$", text, re.MULTILINE):
+            totals[match[1]] = totals.get(match[1], 0.0) + float(match[2])
+        return totals
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the engine core and worker too
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+
+
+def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any] | None,
+                 single_process: bool = False, tensor_parallel: int = 1) -> Server:
+    """Start an engine. ``single_process`` runs its worker inside the engine core process (one process
+    less to start on 2 cores); the engines with the connector keep vLLM's default processes.
+    ``tensor_parallel`` > 1 shards the model over that many worker processes."""
+    port = free_port()
+    log = folder / f"{name}.log"
+    # The engines import the kvredis under test (this checkout), whatever the environment has installed.
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--seed", "0",
+            "--enable-prompt-tokens-details"]
+    if kv_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_config)]
+    if single_process:
+        args += ["--distributed-executor-backend", "uni"]
+    if tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel)]
+        # vLLM's CPU workers bind their threads per NUMA node by default, and refuse more ranks than nodes;
+        # this machine has one, so each rank gets its own share of the cores ("0|1" for two on two cores).
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_shares(tensor_parallel))
+    with open(log, "wb") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=env, cwd=REPO)
+    return Server(name, process, port, log, str(model))
+
+
+def _cpu_shares(ranks: int) -> str:
+    """The allowed CPUs cut into ``ranks`` groups, in VLLM_CPU_OMP_THREADS_BIND's form (``0,1|2,3``)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        cpus = [cpus[i % len(cpus)] for i in range(ranks)]  # fewer CPUs than ranks: they share
+    size = len(cpus) // ranks
+    return "|".join(",".join(map(str, cpus[i * size:(i + 1) * size])) for i in range(ranks))
+
+
+def wait_ready(servers: list[Server], timeout_s: float) -> None:
+    """Wait until every server answers its health check; raise with the laggards' logs after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(servers)
+    while waiting:
+        waiting = [server for server in waiting if not server.ready()]
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError("engines not ready in time:\n"
+                               + "\n".join(f"{s.name}:\n{s.log_tail()}" for s in waiting))
+        time.sleep(0.5)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 1024, (length,), generator=generator).tolist()
+
+
+def tokens_of(answer: dict[str, Any]) -> list[int]:
+    """The generated token IDs (the text drops special tokens such as EOS)."""
+    return list(answer["choices"][0]["token_ids"])
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    return {name: int(after.get(name, 0) - before.get(name, 0))
+            for name in set(before) | set(after) if after.get(name, 0) != before.get(name, 0)}
+
+
+def wait_counters(server: Server, before: dict[str, float], expected: dict[str, int],
+                  timeout_s: float = 10.0) -> dict[str, int]:
+    """The counters' change once it reaches ``expected`` (vLLM publishes stats after each step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        delta = counter_delta(before, server.counters())
+        if all(delta.get(name, 0) >= value for name, value in expected.items()):
+            return delta
+        if time.monotonic() > deadline:
+            return delta
+        time.sleep(0.1)

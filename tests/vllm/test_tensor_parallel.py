@@ -1,0 +1,195 @@
+"""Tensor parallelism in real vLLM engines: a prefill and a decode engine, each sharded over two worker
+processes (``--tensor-parallel-size 2``, CPU build, tiny model), sharing one real Redis.
+
+Each rank holds half of every layer's KV heads, so each stores its own shard under its own key (the cache
+identity holds the rank) from its own process, and the same rank of the decode engine takes it: the two
+shards move in parallel, and neither rank ever sees the other's. Answers are checked against the decode
+engine computing the same prompt itself (a fresh ``cache_salt`` keeps its prefix cache out).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
+
+from conftest import BLOCK_SIZE
+from engine_servers import (
+    TEST_TIMEOUTS,
+    Server,
+    cached_tokens,
+    prompt_of,
+    start_server,
+    tokens_of,
+    wait_counters,
+    wait_ready,
+)
+from redis_servers import RedisServer
+
+from kvredis import codec
+from kvredis.tinymodel import write_tiny_llama
+from kvredis.vllm import TRANSFER_PARAM
+
+TP = 2
+START_TIMEOUT_S = 300.0
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny model's (kvredis.tinymodel defaults)
+
+
+@dataclass
+class Sharded:
+    prefill: Server
+    decode: Server
+    redis: RedisServer
+    namespace: str
+
+    def queues(self, timeout_s: float = 10.0) -> list[str]:
+        """The entry lists of the one prompt being stored, once every rank's record is in Redis."""
+        client = self.redis.client()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                queues = sorted(key.decode() for key in client.scan_iter(match=f"{self.namespace}:*:q")
+                                if client.llen(key))
+                if len(queues) >= TP:
+                    return queues
+                assert time.monotonic() < deadline, f"only {queues} stored"
+                time.sleep(0.01)
+        finally:
+            client.close()
+
+    def stored_pages(self, queue: str) -> torch.Tensor:
+        """The pages of the entry waiting in ``queue``, read without taking it."""
+        client = self.redis.client()
+        try:
+            record = client.lindex(queue, 0)
+            header = codec.read_header(record, max_payload_bytes=1 << 30)
+            if header.meta.get("pieces"):
+                base = queue.removesuffix(":q")
+                payload = b"".join(client.get(f"{base}:{header.meta['id']}:{index}")
+                                   for index in range(header.meta["pieces"]))
+            else:
+                payload = record[header.payload_offset:]
+        finally:
+            client.close()
+        pages = codec.decode_payload(header, bytearray(payload))[2]
+        assert pages is not None
+        return pages
+
+    def keys(self) -> list[bytes]:
+        client = self.redis.client()
+        try:
+            return sorted(client.scan_iter(match=f"{self.namespace}:*", count=1000))
+        finally:
+            client.close()
+
+    def prefill_params(self, prompt: list[int]) -> dict[str, Any]:
+        answer = self.prefill.complete(prompt, max_tokens=1,
+                                       params={"do_remote_decode": True, "do_remote_prefill": False})
+        params = answer.get("kv_transfer_params")
+        assert isinstance(params, dict) and TRANSFER_PARAM in params, answer
+        return params
+
+    def computed_alone(self, prompt: list[int]) -> dict[str, Any]:
+        """The decode engine's own answer, computed without Redis or its prefix cache."""
+        answer = self.decode.complete(prompt, cache_salt=uuid.uuid4().hex)
+        assert cached_tokens(answer) == 0, answer
+        return answer
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sharded]:
+    folder = tmp_path_factory.mktemp("tp-engines")
+    model: Path = write_tiny_llama(folder / "tiny-llama", layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(f"the engine tests need redis-server on the PATH: {exc}")
+    server.start()
+    namespace = "t-tp-" + uuid.uuid4().hex[:10]
+
+    def kv_config(role: str) -> dict[str, Any]:
+        return {"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
+                "kv_role": role, "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"url": server.url, "namespace": namespace,
+                                              **TEST_TIMEOUTS}}
+
+    servers = [start_server("prefill-tp2", model, folder, kv_config("kv_producer"), tensor_parallel=TP),
+               start_server("decode-tp2", model, folder, kv_config("kv_consumer"), tensor_parallel=TP)]
+    try:
+        wait_ready(servers, START_TIMEOUT_S)
+        yield Sharded(*servers, redis=server, namespace=namespace)
+    finally:
+        for engine in servers:
+            engine.stop()
+        server.__exit__(None, None, None)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(START_TIMEOUT_S + 240)
+def test_each_rank_stores_and_loads_its_own_shard(sharded: Sharded) -> None:
+    prompts = [prompt_of(length, seed=3000 + length) for length in (33, 257, 1000)]
+    expected = [tokens_of(sharded.computed_alone(prompt)) for prompt in prompts]
+    decode_before, prefill_before = sharded.decode.counters(), sharded.prefill.counters()
+    for prompt, want in zip(prompts, expected, strict=True):
+        params = sharded.prefill_params(prompt)
+        queues = sharded.queues()
+        # One entry per rank, for the same prompt (the hash tag) under two cache identities.
+        assert len(queues) == TP, queues
+        assert len({queue.split(":")[-2] for queue in queues}) == 1, queues
+        assert len({queue.split(":")[-3] for queue in queues}) == TP, queues
+        pages = -(-len(prompt) // BLOCK_SIZE)
+        shards = []
+        for queue in queues:
+            stored = sharded.stored_pages(queue)
+            # Each rank holds half of the KV heads: K and V of one head per page, for every layer.
+            assert stored.shape[:2] == (LAYERS, pages), stored.shape
+            assert stored.numel() == LAYERS * pages * 2 * (KV_HEADS // TP) * BLOCK_SIZE * HEAD_DIM
+            shards.append(stored)
+        assert not shards[0].equal(shards[1])  # different heads, not one shard twice
+
+        decoded = sharded.decode.complete(prompt, params=params)
+        assert cached_tokens(decoded) == len(prompt) - 1, f"{len(prompt)} tokens: KV not loaded"
+        assert tokens_of(decoded) == want, f"{len(prompt)} tokens"
+    assert sharded.keys() == []  # each rank of the decode took its own entry
+    loaded = sum(len(prompt) - 1 for prompt in prompts)
+    # Counted by every rank: vLLM adds up the workers' stats.
+    delta = wait_counters(sharded.decode, decode_before,
+                          {"loaded_requests": TP * len(prompts), "loaded_tokens": TP * loaded})
+    assert delta == {"loaded_requests": TP * len(prompts), "loaded_tokens": TP * loaded}
+    sharded.prefill.complete([7], max_tokens=1)  # one more engine step reports the last saves
+    delta = wait_counters(sharded.prefill, prefill_before, {"saved_requests": TP * len(prompts)})
+    assert delta.get("saved_requests") == TP * len(prompts) and "save_failures" not in delta
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(240)
+def test_a_lost_shard_makes_the_decode_recompute_the_prompt(sharded: Sharded) -> None:
+    """One rank's entry loses a piece (evicted, say): that rank's load fails, so vLLM computes the whole
+    prompt again and the answer is still right; the other rank's entry is taken, and no key is left."""
+    prompt = prompt_of(1100, seed=3999)  # over 1 MiB a rank: stored as pieces
+    want = tokens_of(sharded.computed_alone(prompt))
+    before = sharded.decode.counters()
+    params = sharded.prefill_params(prompt)
+    queues = sharded.queues()
+    client = sharded.redis.client()
+    try:
+        pieces = sorted(client.scan_iter(match=queues[0].removesuffix(":q") + ":*:*"))
+        assert len(pieces) >= 2, pieces
+        client.delete(pieces[-1])
+    finally:
+        client.close()
+    decoded = sharded.decode.complete(prompt, params=params)
+    assert tokens_of(decoded) == want
+    assert cached_tokens(decoded) == 0
+    expected = {"load_failures": 1, "failed_tokens": len(prompt) - 1, "loaded_requests": 1,
+                "loaded_tokens": len(prompt) - 1}
+    assert wait_counters(sharded.decode, before, expected) == expected
+    assert sharded.keys() == []
