@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 import torch
 from conftest import BLOCK_SIZE
-from redis_servers import free_port
+from redis_servers import RedisServer, free_port
 
 from kvredis.tinymodel import prompt_text
 
@@ -123,6 +124,22 @@ def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any]
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                    env=env, cwd=REPO)
     return Server(name, process, port, log, str(model))
+
+
+def start_redis() -> RedisServer:
+    """A ``redis-server`` of the test's own (so that a test can stop it); fails the test without one."""
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(f"the engine tests need redis-server on the PATH: {exc}")
+    return server.start()
+
+
+def kv_transfer_config(role: str, redis_url: str, namespace: str) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a KVRedisConnector engine under test (``TEST_TIMEOUTS``)."""
+    return {"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"url": redis_url, "namespace": namespace, **TEST_TIMEOUTS}}
 
 
 def _cpu_shares(ranks: int) -> str:

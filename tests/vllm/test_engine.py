@@ -26,11 +26,12 @@ import torch
 from conftest import BLOCK_SIZE
 from engine_servers import (
     DECODE_TOKENS,
-    TEST_TIMEOUTS,
     Server,
     cached_tokens,
     counter_delta,
+    kv_transfer_config,
     prompt_of,
+    start_redis,
     start_server,
     tokens_of,
     wait_counters,
@@ -89,18 +90,11 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     folder = tmp_path_factory.mktemp("engines")
-    try:
-        server = RedisServer()
-    except RuntimeError as exc:
-        pytest.fail(f"the engine tests need redis-server on the PATH: {exc}")
-    server.start()
+    server = start_redis()
     namespace = "t-engine-" + uuid.uuid4().hex[:10]
 
     def kv_config(role: str) -> dict[str, Any]:
-        return {"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
-                "kv_role": role, "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"url": server.url, "namespace": namespace,
-                                              **TEST_TIMEOUTS}}
+        return kv_transfer_config(role, server.url, namespace)
 
     servers = [start_server("prefill", tiny_model, folder, kv_config("kv_producer")),
                start_server("decode", tiny_model, folder, kv_config("kv_consumer")),

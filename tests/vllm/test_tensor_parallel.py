@@ -23,10 +23,11 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 
 from conftest import BLOCK_SIZE
 from engine_servers import (
-    TEST_TIMEOUTS,
     Server,
     cached_tokens,
+    kv_transfer_config,
     prompt_of,
+    start_redis,
     start_server,
     tokens_of,
     wait_counters,
@@ -108,18 +109,11 @@ class Sharded:
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sharded]:
     folder = tmp_path_factory.mktemp("tp-engines")
     model: Path = write_tiny_llama(folder / "tiny-llama", layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-    try:
-        server = RedisServer()
-    except RuntimeError as exc:
-        pytest.fail(f"the engine tests need redis-server on the PATH: {exc}")
-    server.start()
+    server = start_redis()
     namespace = "t-tp-" + uuid.uuid4().hex[:10]
 
     def kv_config(role: str) -> dict[str, Any]:
-        return {"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
-                "kv_role": role, "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"url": server.url, "namespace": namespace,
-                                              **TEST_TIMEOUTS}}
+        return kv_transfer_config(role, server.url, namespace)
 
     servers = [start_server("prefill-tp2", model, folder, kv_config("kv_producer"), tensor_parallel=TP),
                start_server("decode-tp2", model, folder, kv_config("kv_consumer"), tensor_parallel=TP)]
