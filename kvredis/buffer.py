@@ -122,6 +122,12 @@ class RedisLookupBuffer:
         self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None
     ) -> list[torch.Tensor | None]:
         """Take the prompt's oldest entry, waiting up to ``pop_timeout_s``; five ``None`` if none came."""
+        entry, _ = self.take(input_tokens, roi)
+        return entry if entry is not None else list(_MISS)
+
+    def take(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None) -> tuple[Entry | None, str]:
+        """:meth:`drop_select`, saying why nothing came: ``"absent"`` (no entry within the bound) or why the
+        entry that came was dropped (``"corrupt"``, ``"foreign"``, ``"partial"``)."""
         self._check_open()
         if input_tokens is None:
             raise ValueError("drop_select needs input_tokens: entries are looked up by their tokens")
@@ -149,7 +155,7 @@ class RedisLookupBuffer:
                 if entry is not None:
                     self.metrics.loaded(codec.payload_size(entry), time.perf_counter() - started)
                     logger.debug("loaded an entry from %s", keys.queue)
-                    return entry
+                    return entry, cause
         except KVRedisError as exc:
             failure = self._failure_cause(exc)
             self.metrics.miss(failure)
@@ -157,7 +163,7 @@ class RedisLookupBuffer:
             raise
         self.metrics.miss(cause)
         logger.debug("no usable entry in %s (%s)", keys.queue, cause)
-        return list(_MISS)
+        return None, cause
 
     def contains(self, input_tokens: Any, roi: Any = None) -> bool:
         """Whether an entry for the prompt waits in Redis now (a hint: it may be taken or expire)."""

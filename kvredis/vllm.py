@@ -56,6 +56,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvredis.vllm")
 
+
+def _log_through_vllm() -> None:
+    """Send kvredis's records in vLLM's processes out with vLLM's format and level (``VLLM_LOGGING_LEVEL``).
+
+    Without a handler they would reach stderr bare (no time, no process), through logging's last resort.
+    Left alone where the application configured logging itself (a root or ``kvredis`` handler).
+    """
+    ours, theirs = logging.getLogger("kvredis"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 SUPPORTED_VLLM = ((0, 32), (0, 34))
 """The oldest and newest vLLM minor versions this connector is tested against, inclusive."""
 
@@ -278,6 +294,7 @@ class KVRedisConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         check_vllm_version(vllm.__version__)
+        _log_through_vllm()  # by now vLLM has configured this process's logging
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # the base class refused a missing one
@@ -522,10 +539,14 @@ class KVRedisConnector(KVConnectorBase_V1):
 
     def _load_into_blocks(self, spec: TransferSpec) -> str | None:
         """Take the entry and write its pages into the blocks; returns why not, or ``None`` on success."""
-        entry = self.buffer.drop_select(torch.tensor(spec.token_ids, dtype=torch.long), None)
+        entry, cause = self.buffer.take(torch.tensor(spec.token_ids, dtype=torch.long), None)
+        if entry is None:
+            if cause == "absent":
+                return f"no entry within {self.config.pop_timeout_s:g} s (missing, expired or evicted)"
+            return f"its entry was dropped as {cause}"
         stored = entry[2]
         if stored is None:
-            return f"no entry within {self.config.pop_timeout_s:g} s (missing, expired or evicted)"
+            return "its entry holds no pages"
         if not self._layers:
             return "no KV caches registered"
         names = list(self._layers)

@@ -184,6 +184,18 @@ def test_an_unusable_record_ends_the_wait(make_buffer):
     assert buffer.metrics["miss_corrupt"] + buffer.metrics["miss_foreign"] == 1
 
 
+def test_take_says_why_nothing_came(make_buffer):
+    buffer = make_buffer(pop_timeout_s=0.2)
+    tokens, key, value, hidden = kv_entry(9)
+    assert buffer.take(tokens, None) == (None, "absent")
+    buffer.store.redis.rpush(buffer.keyspace.entry(tokens).queue, b"\x80\x04not ours at all")
+    assert buffer.take(tokens, None) == (None, "foreign")
+    buffer.insert(tokens, None, key, value, hidden)
+    entry, cause = buffer.take(tokens, None)
+    assert cause == "hit"
+    assert_entry(entry, tokens, key, value, hidden)
+
+
 def test_a_record_for_other_tokens_under_the_key_is_rejected(make_buffer):
     buffer = make_buffer(pop_timeout_s=0.2)
     tokens, key, value, hidden = kv_entry(9)

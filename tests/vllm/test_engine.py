@@ -215,6 +215,12 @@ def test_a_corrupted_entry_is_rejected_and_the_prompt_recomputed(deployment: Dep
     decoded = deployment.decode.complete(prompt, params=params)
     assert tokens_of(decoded) == tokens_of(expected)
     assert cached_tokens(decoded) == 0
+    warning = (rf"request {re.escape(decoded['id'])}-\S*: KV of 99 tokens not loaded from Redis "
+               r"\(its entry was dropped as corrupt\)")
+    deadline = time.monotonic() + 10
+    while not re.search(warning, deployment.decode.log_text()):
+        assert time.monotonic() < deadline, deployment.decode.log_tail()
+        time.sleep(0.1)
     delta = wait_counters(deployment.decode, before, {"load_failures": 1})
     assert delta == {"load_failures": 1, "failed_tokens": 99}
     assert deployment.keys() == []
