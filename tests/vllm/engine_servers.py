@@ -24,6 +24,7 @@ from conftest import BLOCK_SIZE
 from redis_servers import RedisServer, free_port
 
 from kvredis.tinymodel import prompt_text
+from kvredis.vllm import TRANSFER_PARAM
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST_TIMEOUT_S = 300.0
@@ -124,6 +125,47 @@ def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any]
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                    env=env, cwd=REPO)
     return Server(name, process, port, log, str(model))
+
+
+@dataclass
+class Disaggregated:
+    """A prefill (kv_producer) and a decode (kv_consumer) engine sharing a Redis namespace."""
+
+    prefill: Server
+    decode: Server
+    redis: RedisServer
+    namespace: str
+
+    def keys(self) -> list[bytes]:
+        """Every key of the namespace."""
+        client = self.redis.client()
+        try:
+            return sorted(client.scan_iter(match=f"{self.namespace}:*", count=1000))
+        finally:
+            client.close()
+
+    def entry_queues(self, count: int = 1, timeout_s: float = 10.0) -> list[str]:
+        """The entry lists holding a record, once there are ``count`` (the prefill writes after answering)."""
+        client = self.redis.client()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                queues = sorted(key.decode() for key in client.scan_iter(match=f"{self.namespace}:*:q")
+                                if client.llen(key))
+                if len(queues) >= count:
+                    return queues
+                assert time.monotonic() < deadline, f"the prefill engine stored {queues}, not {count}"
+                time.sleep(0.01)
+        finally:
+            client.close()
+
+    def prefill_params(self, prompt: list[int]) -> dict[str, Any]:
+        """Prefill as the proxy does; the kv_transfer_params of the answer."""
+        answer = self.prefill.complete(prompt, max_tokens=1,
+                                       params={"do_remote_decode": True, "do_remote_prefill": False})
+        params = answer.get("kv_transfer_params")
+        assert isinstance(params, dict) and TRANSFER_PARAM in params, answer
+        return params
 
 
 def start_redis() -> RedisServer:

@@ -26,6 +26,7 @@ import torch
 from conftest import BLOCK_SIZE
 from engine_servers import (
     DECODE_TOKENS,
+    Disaggregated,
     Server,
     cached_tokens,
     counter_delta,
@@ -37,10 +38,8 @@ from engine_servers import (
     wait_counters,
     wait_ready,
 )
-from redis_servers import RedisServer
 
 from kvredis import codec
-from kvredis.vllm import TRANSFER_PARAM
 
 START_TIMEOUT_S = 300.0
 LENGTHS = [5, 20, 31, 32, 33, 64, 65, 100, 257, 513, 1000, 1500]
@@ -49,42 +48,8 @@ LENGTHS = [5, 20, 31, 32, 33, 64, 65, 100, 257, 513, 1000, 1500]
 
 
 @dataclass
-class Deployment:
-    prefill: Server
-    decode: Server
-    reference: Server
-    redis: RedisServer
-    namespace: str
-
-    def keys(self) -> list[bytes]:
-        client = self.redis.client()
-        try:
-            return sorted(client.scan_iter(match=f"{self.namespace}:*", count=1000))
-        finally:
-            client.close()
-
-    def wait_for_entry(self, timeout_s: float = 10.0) -> bytes:
-        """The list key of the one entry the prefill engine is writing, once its record is in Redis."""
-        client = self.redis.client()
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                queues = [key for key in client.scan_iter(match=f"{self.namespace}:*:q") if client.llen(key)]
-                if queues:
-                    assert len(queues) == 1, queues
-                    return queues[0]
-                assert time.monotonic() < deadline, "the prefill engine stored no entry"
-                time.sleep(0.01)
-        finally:
-            client.close()
-
-    def prefill_params(self, prompt: list[int]) -> dict[str, Any]:
-        """Prefill as the proxy does; the kv_transfer_params of the answer."""
-        answer = self.prefill.complete(prompt, max_tokens=1,
-                                       params={"do_remote_decode": True, "do_remote_prefill": False})
-        params = answer.get("kv_transfer_params")
-        assert isinstance(params, dict) and TRANSFER_PARAM in params, answer
-        return params
+class Deployment(Disaggregated):
+    reference: Server  # the same model with no connector
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +66,8 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                start_server("reference", tiny_model, folder, None, single_process=True)]
     try:
         wait_ready(servers, START_TIMEOUT_S)
-        yield Deployment(*servers, redis=server, namespace=namespace)
+        prefill, decode, reference = servers
+        yield Deployment(prefill, decode, server, namespace, reference)
     finally:
         for engine in servers:
             engine.stop()
@@ -187,7 +153,7 @@ def test_concurrent_requests_are_batched_and_all_loaded(deployment: Deployment) 
 # -- the loaded KV is really used ------------------------------------------------------------------
 
 
-def _rewrite_record(deployment: Deployment, queue: bytes, change: Any) -> None:
+def _rewrite_record(deployment: Deployment, queue: str, change: Any) -> None:
     """Replace the entry's record (one record: the test prompts are under KVREDIS_CHUNK_BYTES)."""
     client = deployment.redis.client()
     try:
@@ -203,7 +169,7 @@ def test_a_corrupted_entry_is_rejected_and_the_prompt_recomputed(deployment: Dep
     (expected,) = reference_answers(deployment, [prompt])
     before = deployment.decode.counters()
     params = deployment.prefill_params(prompt)
-    queue = deployment.wait_for_entry()
+    (queue,) = deployment.entry_queues()
 
     def flip(record: bytes) -> bytes:
         header = codec.read_header(record, max_payload_bytes=1 << 30)
@@ -233,7 +199,7 @@ def test_a_consistently_altered_entry_changes_the_output(deployment: Deployment)
     expected = tokens_of(reference_answers(deployment, [prompt])[0])
     before = deployment.decode.counters()
     params = deployment.prefill_params(prompt)
-    queue = deployment.wait_for_entry()
+    (queue,) = deployment.entry_queues()
 
     def alter(record: bytes) -> bytes:
         tensors, meta = codec.decode(record, max_payload_bytes=1 << 30)
@@ -259,7 +225,7 @@ def test_with_redis_stopped_decode_recomputes_and_warns(deployment: Deployment) 
     prompt, other, after = prompt_of(150, seed=79), prompt_of(60, seed=80), prompt_of(120, seed=81)
     expected = [tokens_of(answer) for answer in reference_answers(deployment, [prompt, other, after])]
     params = deployment.prefill_params(prompt)
-    deployment.wait_for_entry()
+    deployment.entry_queues()
     before = deployment.decode.counters()
     deployment.redis.stop()
     try:

@@ -9,10 +9,8 @@ engine computing the same prompt itself (a fresh ``cache_salt`` keeps its prefix
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,7 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 
 from conftest import BLOCK_SIZE
 from engine_servers import (
-    Server,
+    Disaggregated,
     cached_tokens,
     kv_transfer_config,
     prompt_of,
@@ -33,38 +31,17 @@ from engine_servers import (
     wait_counters,
     wait_ready,
 )
-from redis_servers import RedisServer
 
 from kvredis import codec
 from kvredis.tinymodel import write_tiny_llama
-from kvredis.vllm import TRANSFER_PARAM
 
 TP = 2
 START_TIMEOUT_S = 300.0
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny model's (kvredis.tinymodel defaults)
 
 
-@dataclass
-class Sharded:
-    prefill: Server
-    decode: Server
-    redis: RedisServer
-    namespace: str
-
-    def queues(self, timeout_s: float = 10.0) -> list[str]:
-        """The entry lists of the one prompt being stored, once every rank's record is in Redis."""
-        client = self.redis.client()
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                queues = sorted(key.decode() for key in client.scan_iter(match=f"{self.namespace}:*:q")
-                                if client.llen(key))
-                if len(queues) >= TP:
-                    return queues
-                assert time.monotonic() < deadline, f"only {queues} stored"
-                time.sleep(0.01)
-        finally:
-            client.close()
+class Sharded(Disaggregated):
+    """The two engines, each over TP worker processes."""
 
     def stored_pages(self, queue: str) -> torch.Tensor:
         """The pages of the entry waiting in ``queue``, read without taking it."""
@@ -83,20 +60,6 @@ class Sharded:
         pages = codec.decode_payload(header, bytearray(payload))[2]
         assert pages is not None
         return pages
-
-    def keys(self) -> list[bytes]:
-        client = self.redis.client()
-        try:
-            return sorted(client.scan_iter(match=f"{self.namespace}:*", count=1000))
-        finally:
-            client.close()
-
-    def prefill_params(self, prompt: list[int]) -> dict[str, Any]:
-        answer = self.prefill.complete(prompt, max_tokens=1,
-                                       params={"do_remote_decode": True, "do_remote_prefill": False})
-        params = answer.get("kv_transfer_params")
-        assert isinstance(params, dict) and TRANSFER_PARAM in params, answer
-        return params
 
     def computed_alone(self, prompt: list[int]) -> dict[str, Any]:
         """The decode engine's own answer, computed without Redis or its prefix cache."""
@@ -134,7 +97,7 @@ def test_each_rank_stores_and_loads_its_own_shard(sharded: Sharded) -> None:
     decode_before, prefill_before = sharded.decode.counters(), sharded.prefill.counters()
     for prompt, want in zip(prompts, expected, strict=True):
         params = sharded.prefill_params(prompt)
-        queues = sharded.queues()
+        queues = sharded.entry_queues(TP)
         # One entry per rank, for the same prompt (the hash tag) under two cache identities.
         assert len(queues) == TP, queues
         assert len({queue.split(":")[-2] for queue in queues}) == 1, queues
@@ -172,7 +135,7 @@ def test_a_lost_shard_makes_the_decode_recompute_the_prompt(sharded: Sharded) ->
     want = tokens_of(sharded.computed_alone(prompt))
     before = sharded.decode.counters()
     params = sharded.prefill_params(prompt)
-    queues = sharded.queues()
+    queues = sharded.entry_queues(TP)
     client = sharded.redis.client()
     try:
         pieces = sorted(client.scan_iter(match=queues[0].removesuffix(":q") + ":*:*"))
