@@ -9,13 +9,17 @@ reader takes the pieces with GETDEL; if any is gone (evicted, expired) the entry
 nothing of it is returned. An unusable record (corrupt, foreign, missing a piece) ends the wait: records
 already queued behind it are still tried, but the reader does not block again for one that may never come.
 Every key carries the TTL; a taken entry leaves no key behind.
+
+An entry inserted with an ``entry_id`` goes on a list of its own instead of the prompt's shared one: it is
+*announced* (the V1 connector's producer tells the decode which entry to take), and only a reader naming
+that id takes it, so an older entry of the same prompt can neither be taken in its place nor delay it.
+The prompt's key also covers a *context* digest (:func:`kvredis.keys.context_digest`): a LoRA adapter,
+multimodal inputs or a tenant's salt give the same tokens another key.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +31,7 @@ from kvredis import codec
 from kvredis.client import RedisStore, WrongTypeError
 from kvredis.config import KVRedisConfig
 from kvredis.errors import CodecError, EntryTooLargeError, KVRedisError, KVRedisTimeoutError
-from kvredis.keys import CacheIdentity, EntryKeys, KeySpace, Prompt
+from kvredis.keys import CacheIdentity, EntryKeys, KeySpace, Prompt, check_entry_id, new_entry_id
 from kvredis.metrics import Metrics
 
 logger = logging.getLogger("kvredis.buffer")
@@ -36,7 +40,6 @@ Entry = list[torch.Tensor | None]
 """``[input_tokens, roi, key, value, hidden]``, as the seed's ``drop_select`` returns it."""
 
 _MISS: tuple[None, None, None, None, None] = (None, None, None, None, None)
-_ENTRY_ID = re.compile(r"\A[0-9a-f]{16}\Z")
 _MIN_CHUNK, _MAX_CHUNK = 4096, 256 << 20  # KVREDIS_CHUNK_BYTES's range
 
 
@@ -68,14 +71,21 @@ class RedisLookupBuffer:
         key: torch.Tensor,
         value: torch.Tensor | None,
         hidden: torch.Tensor | None,
+        *,
+        context: str = "",
+        entry_id: str | None = None,
     ) -> None:
         """Store ``[key, value, hidden]`` for the prompt; returns once the whole entry is in Redis.
 
-        ``value`` and ``hidden`` may be ``None`` (the V1 connector packs K and V into ``key``).
+        ``value`` and ``hidden`` may be ``None`` (the V1 connector packs K and V into ``key``). With an
+        ``entry_id`` (from :func:`kvredis.keys.new_entry_id`) the entry is announced: only a reader naming
+        that id takes it. ``context`` is the prompt's :func:`kvredis.keys.context_digest`.
         """
         self._check_open()
         started = time.perf_counter()
-        prompt = Prompt.of(input_tokens, roi)
+        announced = entry_id is not None
+        entry_id = check_entry_id(entry_id) if announced else new_entry_id()
+        prompt = Prompt.of(input_tokens, roi, context)
         tokens, mask = torch.from_numpy(prompt.tokens), torch.from_numpy(prompt.mask).to(torch.bool)
         keys = self.keyspace.keys_for(prompt)
         tensors = [tokens, mask, key, value, hidden]
@@ -86,7 +96,7 @@ class RedisLookupBuffer:
             )
         ttl_ms = max(1, int(self.config.ttl_s * 1000))
         chunk = self.config.chunk_bytes
-        entry_id = os.urandom(8).hex()
+        queue = keys.entry_queue(entry_id) if announced else keys.queue
         meta: dict[str, Any] = {"id": entry_id, "space": self.keyspace.prefix}
         piece_keys: list[str] = []
         if size <= chunk:
@@ -99,21 +109,21 @@ class RedisLookupBuffer:
         try:
             if piece_keys:
                 self.store.put_pieces(piece_keys, _pieces(encoded.payload, chunk), ttl_ms)
-                self.store.push_record(keys.queue, encoded.header, ttl_ms)
+                self.store.push_record(queue, encoded.header, ttl_ms)
             else:
-                self.store.push_record(keys.queue, encoded.to_bytes(), ttl_ms)
+                self.store.push_record(queue, encoded.to_bytes(), ttl_ms)
         except KVRedisError as exc:
             cause = self._failure_cause(exc)
             self.metrics.store_failed(cause)
-            logger.warning("insert into %s failed (%s): %s", keys.queue, cause, exc)
+            logger.warning("insert into %s failed (%s): %s", queue, cause, exc)
             if piece_keys and cause != "timeout":
                 # Pieces of an entry whose record may or may not have landed: without them a record that
                 # did land reads as a miss, never as half an entry. After a timeout another round trip
                 # would break the caller's bound, so those pieces are left to their TTL.
-                self._discard(piece_keys, keys.queue)
+                self._discard(piece_keys, queue)
             raise
         self.metrics.stored(size, time.perf_counter() - started)
-        logger.debug("stored entry %s in %s: %d bytes, %d pieces", entry_id, keys.queue, size,
+        logger.debug("stored entry %s in %s: %d bytes, %d pieces", entry_id, queue, size,
                      len(piece_keys))
 
     # -- reading ---------------------------------------------------------------------------------
@@ -125,15 +135,20 @@ class RedisLookupBuffer:
         entry, _ = self.take(input_tokens, roi)
         return entry if entry is not None else list(_MISS)
 
-    def take(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None) -> tuple[Entry | None, str]:
+    def take(
+        self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *, context: str = "",
+        entry_id: str | None = None,
+    ) -> tuple[Entry | None, str]:
         """:meth:`drop_select`, saying why nothing came: ``"absent"`` (no entry within the bound) or why the
-        entry that came was dropped (``"corrupt"``, ``"foreign"``, ``"partial"``)."""
+        entry that came was dropped (``"corrupt"``, ``"foreign"``, ``"partial"``). With ``entry_id``, only
+        that announced entry is taken."""
         self._check_open()
         if input_tokens is None:
             raise ValueError("drop_select needs input_tokens: entries are looked up by their tokens")
-        prompt = Prompt.of(input_tokens, roi)
+        prompt = Prompt.of(input_tokens, roi, context)
         tokens, mask = torch.from_numpy(prompt.tokens), torch.from_numpy(prompt.mask).to(torch.bool)
         keys = self.keyspace.keys_for(prompt)
+        queue = keys.entry_queue(entry_id) if entry_id is not None else keys.queue
         started = time.perf_counter()
         deadline = time.monotonic() + self.config.pop_timeout_s
         cause = "absent"
@@ -144,30 +159,64 @@ class RedisLookupBuffer:
                     # entry per prompt), but records queued behind it are still tried.
                     remaining = 0.0
                 try:
-                    record = self.store.pop_record(keys.queue, remaining)
+                    record = self.store.pop_record(queue, remaining)
                 except WrongTypeError as exc:
-                    self._drop_foreign_key(keys.queue, exc)
+                    self._drop_foreign_key(queue, exc)
                     cause = "foreign"
                     continue
                 if record is None:
                     break
-                entry, cause = self._read_entry(keys, record, tokens, mask)
+                entry, cause = self._read_entry(keys, record, tokens, mask, entry_id)
                 if entry is not None:
                     self.metrics.loaded(codec.payload_size(entry), time.perf_counter() - started)
-                    logger.debug("loaded an entry from %s", keys.queue)
+                    logger.debug("loaded an entry from %s", queue)
                     return entry, cause
         except KVRedisError as exc:
             failure = self._failure_cause(exc)
             self.metrics.miss(failure)
-            logger.warning("drop_select from %s failed (%s): %s", keys.queue, failure, exc)
+            logger.warning("drop_select from %s failed (%s): %s", queue, failure, exc)
             raise
         self.metrics.miss(cause)
-        logger.debug("no usable entry in %s (%s)", keys.queue, cause)
+        logger.debug("no usable entry in %s (%s)", queue, cause)
         return None, cause
 
-    def contains(self, input_tokens: Any, roi: Any = None) -> bool:
-        """Whether an entry for the prompt waits in Redis now (a hint: it may be taken or expire)."""
-        queue = self.keyspace.entry(input_tokens, roi).queue
+    def discard(
+        self, input_tokens: Any, roi: Any = None, *, context: str = "", entry_id: str, wait_s: float = 0.0,
+    ) -> bool:
+        """Delete the announced entry ``entry_id`` of the prompt without reading its pieces, waiting up to
+        ``wait_s`` for it to be written; whether one was deleted. For entries nobody will take."""
+        self._check_open()
+        keys = self.keyspace.entry(input_tokens, roi, context)
+        queue = keys.entry_queue(entry_id)
+        try:
+            record = self.store.pop_record(queue, wait_s)  # BLPOP: at least a millisecond
+        except WrongTypeError as exc:
+            self._drop_foreign_key(queue, exc)
+            return False
+        if record is None:
+            return False
+        # The pieces are named by the announced id, so they can be deleted whatever the record says; only
+        # how many there are is read from it, bounded so that a planted record cannot name millions.
+        try:
+            header = codec.read_header(record, max_payload_bytes=self.config.max_entry_bytes)
+            count = header.meta.get("pieces", 0)
+            chunk = header.meta.get("chunk", 0)
+            if count and not (isinstance(count, int) and isinstance(chunk, int) and chunk >= _MIN_CHUNK
+                              and count == -(-header.payload_nbytes // chunk)):
+                raise CodecError(f"inconsistent piece layout {header.meta!r}")
+        except CodecError as exc:
+            logger.warning("discarded an unreadable record in %s (its pieces expire with their TTL): %s",
+                           queue, exc)
+            return True
+        if count:
+            self._discard([keys.chunk(entry_id, i) for i in range(count)], queue)
+        logger.debug("discarded entry %s (%d pieces): announced, but nobody will take it", entry_id, count)
+        return True
+
+    def contains(self, input_tokens: Any, roi: Any = None, *, context: str = "") -> bool:
+        """Whether an unannounced entry for the prompt waits in Redis now (a hint: it may be taken or
+        expire)."""
+        queue = self.keyspace.entry(input_tokens, roi, context).queue
         try:
             return self.store.peek_length(queue) > 0
         except WrongTypeError as exc:
@@ -179,7 +228,8 @@ class RedisLookupBuffer:
             raise
 
     def _read_entry(
-        self, keys: EntryKeys, record: bytes, tokens: torch.Tensor, mask: torch.Tensor
+        self, keys: EntryKeys, record: bytes, tokens: torch.Tensor, mask: torch.Tensor,
+        entry_id: str | None = None,
     ) -> tuple[Entry | None, str]:
         """The entry in ``record``, or ``None`` and why it was dropped."""
         try:
@@ -189,6 +239,11 @@ class RedisLookupBuffer:
                 self.metrics.dropped("foreign")
                 logger.warning("dropped an entry in %s written for another namespace or model identity "
                                "(%r)", keys.queue, space)
+                return None, "foreign"
+            if entry_id is not None and header.meta.get("id") != entry_id:
+                self.metrics.dropped("foreign")
+                logger.warning("dropped a record in the list of entry %s that names entry %r", entry_id,
+                               header.meta.get("id"))
                 return None, "foreign"
             pieces = header.meta.get("pieces", 0)
             if not pieces:
@@ -217,7 +272,7 @@ class RedisLookupBuffer:
         total = header.payload_nbytes
         # Checked before any key is named or byte allocated: a planted record must not make the reader
         # build millions of keys (tiny chunk) or take keys outside its own entry (odd id).
-        if not (isinstance(entry_id, str) and _ENTRY_ID.match(entry_id) and isinstance(chunk, int)
+        if not (isinstance(entry_id, str) and _valid_entry_id(entry_id) and isinstance(chunk, int)
                 and isinstance(count, int) and _MIN_CHUNK <= chunk <= _MAX_CHUNK
                 and count == -(-total // chunk)):
             raise CodecError(f"corrupt record: inconsistent piece layout {meta!r} for {total} bytes")
@@ -309,3 +364,11 @@ def _pieces(frames: Sequence[memoryview], size: int) -> list[bytes | memoryview]
         pieces.append(pending[0] if len(pending) == 1 else b"".join(pending))
     return pieces
 
+
+
+def _valid_entry_id(entry_id: object) -> bool:
+    try:
+        check_entry_id(entry_id)
+    except ValueError:
+        return False
+    return True

@@ -1,16 +1,21 @@
 """Deterministic Redis keys for KV-cache entries.
 
 A key names *what* a KV cache is: the prompt (token IDs and the roi mask, hashed with blake2b over
-canonical int64 little-endian bytes, whatever dtype or device they came in) under a namespace and a
-:class:`CacheIdentity` (model, KV dtype, layout, block size, tensor-parallel rank and size, format
-version). Two processes that agree on those always compute the same key; Python's ``hash()`` would not.
-All keys of one entry carry the prompt digest as a Redis Cluster hash tag, so they share one slot.
+canonical int64 little-endian bytes, whatever dtype or device they came in, together with a *context*
+digest of whatever else decides the prompt's KV: a LoRA adapter, multimodal inputs, a tenant's salt; see
+:func:`context_digest`) under a namespace and a :class:`CacheIdentity` (model, KV dtype, layout, block
+size, tensor-parallel rank and size, format version). Two processes that agree on those always compute
+the same key; Python's ``hash()`` would not. All keys of one entry carry the prompt digest as a Redis
+Cluster hash tag, so they share one slot.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any
@@ -20,6 +25,8 @@ import torch
 
 FORMAT_VERSION = 1
 _DIGEST_BYTES = 16  # 128 bits: collisions are out of reach, and entries re-check their tokens anyway.
+_CONTEXT = re.compile(rf"\A[0-9a-f]{{{2 * _DIGEST_BYTES}}}\Z")
+_ENTRY_ID = re.compile(r"\A[0-9a-f]{16}\Z")
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
@@ -77,28 +84,67 @@ class Prompt:
     digest: str
 
     @classmethod
-    def of(cls, input_tokens: Any, roi: Any = None) -> Prompt:
-        """Canonicalise and hash tokens (tensor on any device, array or sequence) and a roi mask."""
+    def of(cls, input_tokens: Any, roi: Any = None, context: str = "") -> Prompt:
+        """Canonicalise and hash tokens (tensor on any device, array or sequence), a roi mask and the
+        prompt's context digest (``""``: nothing but the tokens decides its KV)."""
         tokens = canonical_tokens(input_tokens)
         mask = canonical_roi(roi, tokens.shape[0])
         hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-prompt")
         hasher.update(tokens.shape[0].to_bytes(8, "little"))
         hasher.update(tokens.data.cast("B"))
         hasher.update(mask.data)
+        if context:
+            # Only when present, so that context-free prompts keep the keys they always had.
+            if not _CONTEXT.match(context):
+                raise ValueError(f"a prompt's context must be a context_digest(), got {context!r}")
+            hasher.update(b"context:" + context.encode())
         return cls(tokens, mask, hasher.hexdigest())
 
 
-def prompt_digest(input_tokens: Any, roi: Any = None) -> str:
-    """The blake2b hex digest of the canonical tokens and roi mask."""
-    return Prompt.of(input_tokens, roi).digest
+def prompt_digest(input_tokens: Any, roi: Any = None, context: str = "") -> str:
+    """The blake2b hex digest of the canonical tokens, roi mask and context digest."""
+    return Prompt.of(input_tokens, roi, context).digest
+
+
+def context_digest(parts: Sequence[Sequence[str | int]]) -> str:
+    """A stable digest of what besides the tokens decides a prompt's KV; ``""`` when there is nothing.
+
+    ``parts`` are tuples of strings and integers, each led by its kind (``("lora", name, content)``,
+    ``("mm", identifier, offset, length)``, ``("salt", salt)``); their order is kept, since it is
+    meaningful (the n-th image sits at the n-th placeholder).
+    """
+    if not parts:
+        return ""
+    canonical = []
+    for part in parts:
+        if not part or not all(isinstance(item, (str, int)) and not isinstance(item, bool) for item in part):
+            raise TypeError(f"a context part is a non-empty tuple of strings and integers, got {part!r}")
+        canonical.append(list(part))
+    encoded = json.dumps(canonical, separators=(",", ":"), ensure_ascii=False).encode()
+    return hashlib.blake2b(encoded, digest_size=_DIGEST_BYTES, person=b"kvredis-context").hexdigest()
+
+
+def new_entry_id() -> str:
+    """A fresh random entry id (64 bits, hex): names one entry's pieces and, when announced, its list."""
+    return os.urandom(8).hex()
+
+
+def check_entry_id(entry_id: object) -> str:
+    """``entry_id`` if it is one :func:`new_entry_id` could have made; a ``ValueError`` otherwise (a key
+    must never be built from an arbitrary string a peer sent)."""
+    if not isinstance(entry_id, str) or not _ENTRY_ID.match(entry_id):
+        raise ValueError(f"not a kvredis entry id: {entry_id!r}")
+    return entry_id
 
 
 @dataclass(frozen=True)
 class EntryKeys:
     """The keys of every entry stored for one prompt.
 
-    ``queue`` is a list of entry records, taken with a blocking pop; each chunked entry's payload pieces
-    live in ``chunk(entry_id, i)``. The ``{digest}`` hash tag keeps them in one cluster slot.
+    ``queue`` is a list of entry records, taken with a blocking pop by any reader of the prompt; an entry
+    announced to one reader (by its id) has a list of its own, ``entry_queue(entry_id)``, so that no other
+    entry of the prompt can be taken in its place. Each chunked entry's payload pieces live in
+    ``chunk(entry_id, i)``. The ``{digest}`` hash tag keeps them in one cluster slot.
     """
 
     prefix: str
@@ -108,6 +154,11 @@ class EntryKeys:
     def queue(self) -> str:
         """The list holding this prompt's entry records."""
         return f"{self.prefix}:{{{self.digest}}}:q"
+
+    def entry_queue(self, entry_id: str) -> str:
+        """The list holding the record of the one entry ``entry_id`` (an announced entry)."""
+        check_entry_id(entry_id)
+        return f"{self.prefix}:{{{self.digest}}}:{entry_id}:q"
 
     def chunk(self, entry_id: str, index: int) -> str:
         """The key of payload piece ``index`` of entry ``entry_id``."""
@@ -131,9 +182,9 @@ class KeySpace:
         """A SCAN/ACL pattern covering every key of the namespace, whatever the identity."""
         return f"{self.namespace}:*"
 
-    def entry(self, input_tokens: Any, roi: Any = None) -> EntryKeys:
+    def entry(self, input_tokens: Any, roi: Any = None, context: str = "") -> EntryKeys:
         """The keys for a prompt's entries."""
-        return EntryKeys(self.prefix, prompt_digest(input_tokens, roi))
+        return EntryKeys(self.prefix, prompt_digest(input_tokens, roi, context))
 
     def keys_for(self, prompt: Prompt) -> EntryKeys:
         """The keys for an already canonical prompt's entries."""

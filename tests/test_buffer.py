@@ -13,6 +13,7 @@ from conftest import namespace_keys
 from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
+from kvredis.keys import context_digest, new_entry_id
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int8, torch.uint8]
@@ -327,3 +328,81 @@ def redis_backed_tests() -> dict[str, object]:
         if name.startswith("test_") and inspect.isfunction(test)
         and wanted & set(inspect.signature(test).parameters)
     }
+
+
+# -- contexts and announced entries ------------------------------------------------------------------
+
+
+def test_the_context_keeps_same_token_entries_apart(make_buffer):
+    """Same tokens under two LoRA adapters (or salts): each reader gets only its own entry."""
+    buffer = make_buffer()
+    tokens, key, value, hidden = kv_entry(21)
+    other_key = key.clone().fill_(1)
+    lora_a, lora_b = context_digest([("lora", "a", "1")]), context_digest([("lora", "b", "2")])
+    buffer.insert(tokens, None, key, value, hidden, context=lora_a)
+    buffer.insert(tokens, None, other_key, value, hidden, context=lora_b)
+    assert not buffer.contains(tokens, None)
+    assert buffer.contains(tokens, None, context=lora_b)
+    assert buffer.take(tokens, None)[1] == "absent"  # no context: nothing of either
+    assert_entry(buffer.take(tokens, None, context=lora_b)[0], tokens, other_key, value, hidden)
+    assert_entry(buffer.take(tokens, None, context=lora_a)[0], tokens, key, value, hidden)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 4096], ids=["inline", "chunked"])
+def test_an_announced_entry_is_taken_only_by_its_id(make_buffer, chunk_bytes):
+    """An older entry of the same prompt is neither taken in its place nor delays it."""
+    buffer = make_buffer(chunk_bytes=chunk_bytes)
+    tokens, key, value, hidden = kv_entry(40, seed=3)
+    stale = key.clone().fill_(9)
+    old_id, new_id = new_entry_id(), new_entry_id()
+    buffer.insert(tokens, None, stale, value, hidden, entry_id=old_id)  # its client went away
+    buffer.insert(tokens, None, stale, value, hidden)  # unannounced, for any reader
+    buffer.insert(tokens, None, key, value, hidden, entry_id=new_id)
+    started = time.monotonic()
+    entry, cause = buffer.take(tokens, None, entry_id=new_id)
+    assert cause == "hit" and time.monotonic() - started < 1.0
+    assert_entry(entry, tokens, key, value, hidden)
+    assert buffer.take(tokens, None, entry_id=new_id)[1] == "absent"  # taken once
+    assert_entry(buffer.drop_select(tokens, None), tokens, stale, value, hidden)  # the unannounced one
+    assert buffer.take(tokens, None)[1] == "absent"  # announced entries are not for anyone
+    assert buffer.discard(tokens, None, entry_id=old_id)
+    assert namespace_keys(buffer) == []
+
+
+def test_a_record_moved_to_another_entrys_list_is_refused(make_buffer):
+    buffer = make_buffer(chunk_bytes=4096)
+    tokens, key, value, hidden = kv_entry(40, seed=4)
+    first, second = new_entry_id(), new_entry_id()
+    buffer.insert(tokens, None, key, value, hidden, entry_id=first)
+    keys = buffer.keyspace.entry(tokens)
+    raw = buffer.store.redis
+    raw.rename(keys.entry_queue(first), keys.entry_queue(second))
+    assert buffer.take(tokens, None, entry_id=second) == (None, "foreign")
+    buffer.store.delete([keys.chunk(first, i) for i in range(8)])
+    assert namespace_keys(buffer) == []
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 4096], ids=["inline", "chunked"])
+def test_discard_deletes_an_announced_entry_and_its_pieces(make_buffer, chunk_bytes):
+    buffer = make_buffer(chunk_bytes=chunk_bytes)
+    tokens, key, value, hidden = kv_entry(60, seed=5)
+    salt = context_digest([("salt", "tenant")])
+    entry_id = new_entry_id()
+    assert not buffer.discard(tokens, None, context=salt, entry_id=entry_id)  # nothing there yet
+    buffer.insert(tokens, None, key, value, hidden, context=salt, entry_id=entry_id)
+    assert namespace_keys(buffer) != []
+    assert buffer.discard(tokens, None, context=salt, entry_id=entry_id)
+    assert namespace_keys(buffer) == []
+
+
+def test_discard_waits_for_an_entry_still_being_written(make_buffer):
+    buffer = make_buffer(chunk_bytes=4096)
+    tokens, key, value, hidden = kv_entry(60, seed=6)
+    entry_id = new_entry_id()
+    writer = threading.Timer(0.3, buffer.insert, (tokens, None, key, value, hidden), {"entry_id": entry_id})
+    writer.start()
+    try:
+        assert buffer.discard(tokens, None, entry_id=entry_id, wait_s=30.0)
+    finally:
+        writer.join()
+    assert namespace_keys(buffer) == []

@@ -22,6 +22,9 @@ from kvredis.keys import (
     KeySpace,
     canonical_roi,
     canonical_tokens,
+    check_entry_id,
+    context_digest,
+    new_entry_id,
     prompt_digest,
 )
 
@@ -404,3 +407,42 @@ def test_namespace_pattern_excludes_other_namespaces(other_namespace: str) -> No
     pattern = KeySpace("tenant-a").namespace_pattern
     key = KeySpace(other_namespace, IDENTITY).entry(TOKENS).queue
     assert not fnmatchcase(key, pattern)
+
+
+def test_the_context_is_part_of_the_prompt_digest() -> None:
+    tokens = [5, 6, 7]
+    lora_a = context_digest([("lora", "a", "content-a")])
+    lora_b = context_digest([("lora", "b", "content-b")])
+    salted = context_digest([("salt", "tenant-1")])
+    digests = {prompt_digest(tokens), prompt_digest(tokens, None, lora_a),
+               prompt_digest(tokens, None, lora_b), prompt_digest(tokens, None, salted)}
+    assert len(digests) == 4
+    assert prompt_digest(tokens, None, "") == prompt_digest(tokens)  # no context: the keys it always had
+    assert prompt_digest(tokens, None, lora_a) == prompt_digest(np.array(tokens), None, lora_a)
+
+
+def test_context_digest_is_stable_ordered_and_typed() -> None:
+    image = [("mm", "hash-1", 3, 16), ("mm", "hash-2", 40, 16)]
+    assert context_digest(image) == context_digest([list(part) for part in image])
+    assert context_digest(image) != context_digest(image[::-1])  # the n-th image at the n-th placeholder
+    assert context_digest([("mm", "hash-1", 3, 16)]) != context_digest([("mm", "hash-1", 4, 16)])
+    assert context_digest([]) == ""
+    assert len(context_digest([("salt", "x")])) == 32
+    # A name that looks like a separator cannot make two different contexts collide.
+    assert context_digest([("lora", "a,b")]) != context_digest([("lora", "a", "b")])
+    with pytest.raises(TypeError):
+        context_digest([("salt", 1.5)])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        context_digest([()])
+    with pytest.raises(ValueError, match="context"):
+        prompt_digest([1], None, "not a digest")
+
+
+def test_entry_ids_are_checked_before_naming_a_key() -> None:
+    keys = KeySpace("ns").entry([1, 2, 3])
+    entry_id = new_entry_id()
+    assert check_entry_id(entry_id) == entry_id
+    assert keys.entry_queue(entry_id).endswith(f":{entry_id}:q") and keys.entry_queue(entry_id) != keys.queue
+    for bad in ["", "x" * 16, "0123", "*", "0123456789abcdef:q", None, 7]:
+        with pytest.raises(ValueError, match="entry id"):
+            keys.entry_queue(bad)  # type: ignore[arg-type]
