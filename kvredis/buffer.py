@@ -31,7 +31,15 @@ from kvredis import codec
 from kvredis.client import RedisStore, WrongTypeError
 from kvredis.config import KVRedisConfig
 from kvredis.errors import CodecError, EntryTooLargeError, KVRedisError, KVRedisTimeoutError
-from kvredis.keys import CacheIdentity, EntryKeys, KeySpace, Prompt, check_entry_id, new_entry_id
+from kvredis.keys import (
+    CacheIdentity,
+    EntryKeys,
+    KeySpace,
+    Prompt,
+    check_entry_id,
+    new_entry_id,
+    prompt_digest,
+)
 from kvredis.metrics import Metrics
 
 logger = logging.getLogger("kvredis.buffer")
@@ -182,11 +190,15 @@ class RedisLookupBuffer:
 
     def discard(
         self, input_tokens: Any, roi: Any = None, *, context: str = "", entry_id: str, wait_s: float = 0.0,
+        prefix: str | None = None,
     ) -> bool:
         """Delete the announced entry ``entry_id`` of the prompt without reading its pieces, waiting up to
-        ``wait_s`` for it to be written; whether one was deleted. For entries nobody will take."""
+        ``wait_s`` for it to be written; whether one was deleted. For entries nobody will take.
+
+        ``prefix`` names another key space's entry (another tensor-parallel rank's shard, say); by default
+        this buffer's own."""
         self._check_open()
-        keys = self.keyspace.entry(input_tokens, roi, context)
+        keys = EntryKeys(prefix or self.keyspace.prefix, prompt_digest(input_tokens, roi, context))
         queue = keys.entry_queue(entry_id)
         try:
             record = self.store.pop_record(queue, wait_s)  # BLPOP: at least a millisecond

@@ -290,6 +290,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Client certificate for mutual TLS."),
     Setting("tls_key_file", _optional_file, None,
             "Private key of the client certificate."),
+    Setting("store_all_prompts", _bool, False,
+            "vLLM producers store every prompt they prefill, for any decode of the same prompt (the seed's "
+            "behaviour), not only those the proxy sends on to a decode."),
 )
 _BY_NAME = {setting.name: setting for setting in SETTINGS}
 
@@ -343,6 +346,7 @@ class KVRedisConfig:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    store_all_prompts: bool = False
 
     def __post_init__(self) -> None:
         for setting in SETTINGS:

@@ -5,14 +5,26 @@
     --kv-transfer-config '{"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
                            "kv_role": "kv_producer", "kv_load_failure_policy": "recompute"}'
 
-The producer (prefill) saves every prompt it prefills: ``save_kv_layer`` copies the request's pages
-(whole blocks, see :mod:`kvredis.paged`) out of each layer as the layer finishes, and ``wait_for_save``
-hands the prompt to a background thread that writes it to Redis, so the write overlaps the next step.
-The blocks are free to reuse as soon as the step ends (the pages were copied). ``request_finished`` then
-tells the proxy, through ``kv_transfer_params``, that the entry is on its way.
+The producer (prefill) saves the prompts a decode will ask for (requests with ``do_remote_decode``, as
+the proxy sends them; every prompt with ``KVREDIS_STORE_ALL_PROMPTS``): ``save_kv_layer`` copies the
+request's pages (whole blocks, see :mod:`kvredis.paged`) out of each layer as the layer finishes, and
+``wait_for_save`` copies any layer whose hook did not run (a CUDA graph replays no Python) from the
+registered caches, then hands the prompt to a background thread that writes it to Redis, so the write
+overlaps the next step. The blocks are free to reuse as soon as the step ends (the pages were copied).
+``request_finished`` then tells the proxy, through ``kv_transfer_params``, which entry is on its way and
+what engine wrote it.
+
+An entry's key covers the prompt's tokens, the engine's :func:`cache_identity` and the request's context
+(LoRA adapter, multimodal inputs, ``cache_salt``; :mod:`kvredis.request_keys`), so no request reads KV
+computed for another adapter, image or tenant. Requests with prompt embeddings are neither saved nor
+loaded. Configurations whose pages the connector cannot express (context parallelism, several KV cache
+groups) are refused at start-up.
 
 The consumer (decode) reports ``len(prompt) - 1`` loadable tokens when the request says an entry is on
-its way, or when Redis already holds one; vLLM computes the last token itself. The load runs on a
+its way, or when Redis already holds an unannounced one; vLLM computes the last token itself. An announced
+request takes exactly the entry its prefill wrote; one written by an engine configured differently is not
+waited for (a warning names what differs), and an announced entry the decode will not load (its prefix
+cache covers the prompt, the request ended first) is deleted at once. The load runs on a
 background thread (asynchronous, reported through ``get_finished``): it takes the entry with the
 blocking pop, bounded by ``KVREDIS_POP_TIMEOUT_S``, and writes the pages into the request's blocks. A load
 that fails for any reason (missing, expired, evicted, corrupt, another model or layout, Redis down or
@@ -48,8 +60,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError, KVRedisError
-from kvredis.keys import CacheIdentity
+from kvredis.keys import CacheIdentity, KeySpace, check_entry_id, new_entry_id
 from kvredis.paged import PagedLayout, block_span
+from kvredis.request_keys import AdapterDigests, request_context
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,6 +104,9 @@ STATS = {
     "saved_tokens": "Prompt tokens whose KV was stored in Redis",
     "save_failures": "Prompts whose KV could not be stored in Redis",
     "lookup_errors": "Scheduler lookups in Redis that failed (Redis down or slow)",
+    "skipped_requests": "Requests neither saved nor loaded (prompt embeddings, or announced by a prefill "
+                        "engine configured differently)",
+    "discarded_entries": "Announced entries deleted unread because the decode computed the prompt itself",
 }
 """The connector's counters, reported through vLLM's KV-connector stats: vLLM logs them ("KV Transfer
 metrics") and serves them on ``/metrics`` as ``vllm:kvredis_<name>_total``. Worker counts are summed over
@@ -114,13 +130,19 @@ def check_vllm_version(version: str) -> None:
 
 @dataclass
 class TransferSpec:
-    """One request's KV to move this step: the pages holding positions ``start..stop-1`` of ``token_ids``."""
+    """One request's KV to move this step: the pages holding positions ``start..stop-1`` of ``token_ids``.
+
+    ``context`` is the request's context digest (part of its key); ``entry_id`` names the announced entry
+    to write or to take (``None``: the prompt's shared list).
+    """
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     start: int
     stop: int
+    context: str = ""
+    entry_id: str | None = None
 
 
 @dataclass
@@ -145,6 +167,36 @@ class _Prefill:
     token_ids: list[int]
     block_ids: list[int]
     computed: int
+    context: str
+    entry_id: str | None
+
+
+@dataclass
+class _Announcement:
+    """What a producer's ``kv_transfer_params`` said of the entry it wrote for this request."""
+
+    entry_id: str | None  # None: an announcement without an id (any entry of the prompt will do)
+    differences: list[str]  # how the producer's engine differs from this one; empty: the entry fits
+    shards: list[str]  # the key prefixes of the producer's ranks, for deleting the entry unread
+
+
+@dataclass
+class _RequestState:
+    """The scheduler's view of one request, from its first lookup until it finishes."""
+
+    context: str
+    unsupported: str | None
+    remote_decode: bool
+    announcement: _Announcement | None
+
+
+_IDENTITY_FIELDS = {
+    "namespace": "namespace", "model": "model", "kv_dtype": "KV dtype", "layout": "page layout",
+    "block_size": "block size", "tp_size": "tensor-parallel size", "format_version": "entry format",
+}
+"""The fields an announcement carries about the producer's engine, and how a warning names them."""
+_SHARD_PREFIX = re.compile(r"\A[A-Za-z0-9_.-]{1,64}:[0-9a-f]{16}\Z")
+_MAX_SHARDS = 1024
 
 
 def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0) -> CacheIdentity:
@@ -178,6 +230,29 @@ def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0) -> C
         tp_rank=tp_rank,
         tp_size=int(parallel.tensor_parallel_size),
     )
+
+
+def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
+    """Raise :class:`~kvredis.ConfigError` for a configuration whose pages the connector cannot move."""
+    parallel = vllm_config.parallel_config
+    for flag, name in (("--decode-context-parallel-size (-dcp)", "decode_context_parallel_size"),
+                       ("--prefill-context-parallel-size (-pcp)", "prefill_context_parallel_size")):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size > 1:
+            raise ConfigError(f"kvredis does not support {flag} {size}: context parallelism splits a "
+                              "request's KV over ranks in a way its pages cannot express; run without it")
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) > 1:
+        raise ConfigError(f"kvredis supports models with one KV cache group; this one has {len(groups)} "
+                          "(a hybrid model: sliding-window, chunked-local or Mamba layers beside full "
+                          "attention), whose blocks it cannot move yet")
+    if groups:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        spec = groups[0].kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            raise ConfigError(f"kvredis moves full-attention KV caches; this model's is a "
+                              f"{type(spec).__name__}, whose blocks it cannot move")
 
 
 def _platform() -> str:
@@ -299,12 +374,18 @@ class KVRedisConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # the base class refused a missing one
         self.config = KVRedisConfig.from_env(overrides=transfer.kv_connector_extra_config or {})
+        refuse_unsupported(vllm_config, kv_cache_config)
         self._producer = bool(transfer.is_kv_producer)
         self._consumer = bool(transfer.is_kv_consumer)
         self._block_size = int(vllm_config.cache_config.block_size)
         worker = role == KVConnectorRole.WORKER
         self.identity = cache_identity(vllm_config, _worker_tp_rank() if worker else 0,
                                        _worker_pp_rank() if worker else 0)
+        if not worker and self._consumer and getattr(transfer, "kv_load_failure_policy", None) == "fail":
+            logger.warning(
+                'kv_load_failure_policy is "fail" (vLLM\'s default): a request whose KV cannot be loaded '
+                "from Redis (expired, evicted, Redis down or slow) fails instead of being computed here; "
+                'add "kv_load_failure_policy": "recompute" to --kv-transfer-config')
         buffer_config = self.config
         if not worker:
             # The scheduler only looks entries up, inside vLLM's scheduling loop: the store bounds the reply
@@ -317,11 +398,21 @@ class KVRedisConnector(KVConnectorBase_V1):
         self.counts = _Counts()
         # Scheduler side.
         self._lookups_paused_until = 0.0
+        self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, TransferSpec] = {}
         self._loading: set[str] = set()
         self._loaded_once: set[str] = set()
         self._prefills: dict[str, _Prefill] = {}
-        self._saved: set[str] = set()
+        self._saved: dict[str, str | None] = {}  # request id -> the entry id its save was given
+        self._adapters = AdapterDigests()
+        self._warned: set[tuple[str, ...]] = set()
+        parallel = vllm_config.parallel_config
+        # Every rank's key prefix: the scheduler deletes an unused announced entry's shards itself.
+        self._shards = [KeySpace(self.config.namespace, cache_identity(vllm_config, tp, pp)).prefix
+                        for pp in range(int(parallel.pipeline_parallel_size))
+                        for tp in range(int(parallel.tensor_parallel_size))]
+        self._discard_pool: ThreadPoolExecutor | None = None
+        self._discards: set[Future[None]] = set()
         # Worker side.
         self._layers: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, PagedLayout] = {}
@@ -343,7 +434,8 @@ class KVRedisConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens loadable from Redis beyond the local hit: ``len(prompt) - 1`` if an entry is known."""
-        if not self._consumer or request.request_id in self._loaded_once:
+        state = self._state_of(request)
+        if not self._consumer or request.request_id in self._loaded_once or state.unsupported:
             return 0, False
         tokens = _token_list(request.prompt_token_ids)
         if not tokens:
@@ -351,11 +443,14 @@ class KVRedisConnector(KVConnectorBase_V1):
         loadable = len(tokens) - 1
         if loadable <= num_computed_tokens:
             return 0, False
-        if not _announced(request.kv_transfer_params):
+        announcement = state.announcement
+        if announcement is not None and announcement.differences:
+            return 0, False
+        if announcement is None:
             if time.monotonic() < self._lookups_paused_until:
                 return 0, False
             try:
-                if not self.buffer.contains(tokens):
+                if not self.buffer.contains(tokens, context=state.context):
                     return 0, False
             except KVRedisError as exc:
                 self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
@@ -366,15 +461,119 @@ class KVRedisConnector(KVConnectorBase_V1):
                 return 0, False
         return loadable - num_computed_tokens, True
 
+    def _state_of(self, request: Any) -> _RequestState:
+        """The request's state, made at its first lookup (on the producer too: it decides the save)."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            context = request_context(request, self._adapters)
+            params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+            announced = params.get(TRANSFER_PARAM)
+            state = self._requests[request.request_id] = _RequestState(
+                context.digest, context.unsupported, bool(params.get("do_remote_decode")),
+                self._announcement(request.request_id, announced) if self._consumer else None)
+            if context.unsupported:
+                self.counts.add(skipped_requests=1)
+                self._warn_once(("unsupported", context.unsupported),
+                                "requests with %s are neither saved to nor loaded from Redis (their KV "
+                                "depends on more than their token IDs); such requests are computed here",
+                                context.unsupported)
+        return state
+
+    def _announcement(self, req_id: str, announced: Any) -> _Announcement | None:
+        """What the producer said of its entry, checked against this engine; ``None`` if nothing."""
+        if announced is None:
+            return None
+        if not isinstance(announced, dict):
+            logger.warning("request %s: ignoring a malformed kvredis announcement %r", req_id, announced)
+            return None
+        entry_id = announced.get("entry")
+        try:
+            entry_id = None if entry_id is None else check_entry_id(entry_id)
+        except ValueError:
+            logger.warning("request %s: ignoring an announcement naming entry %r", req_id, entry_id)
+            return None
+        engine = announced.get("engine")
+        differences = []
+        if isinstance(engine, dict):
+            ours = self._engine_description()
+            differences = [f"{label} {engine.get(name)!r} on prefill, {ours[name]!r} here"
+                           for name, label in _IDENTITY_FIELDS.items() if engine.get(name) != ours[name]]
+        shards = announced.get("shards")
+        if not (isinstance(shards, list) and len(shards) <= _MAX_SHARDS
+                and all(isinstance(shard, str) and _SHARD_PREFIX.match(shard) for shard in shards)):
+            shards = list(self._shards)
+        if differences:
+            self.counts.add(skipped_requests=1)
+            self._warn_once(("engine", *differences),
+                            "request %s: its KV was written by a prefill engine configured differently (%s); "
+                            "such requests are computed here, without waiting for Redis", req_id,
+                            "; ".join(differences))
+        return _Announcement(entry_id, differences, shards)
+
+    def _engine_description(self) -> dict[str, Any]:
+        """This engine's side of an announcement (rank 0's identity, less the rank)."""
+        identity = self.identity
+        return {"namespace": self.config.namespace, "model": identity.model, "kv_dtype": identity.kv_dtype,
+                "layout": identity.layout, "block_size": identity.block_size, "tp_size": identity.tp_size,
+                "format_version": identity.format_version}
+
+    def _warn_once(self, cause: tuple[str, ...], message: str, *args: Any) -> None:
+        if cause not in self._warned:
+            self._warned.add(cause)
+            logger.warning(message + " (said once)", *args)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Plan the load of the external tokens into the blocks just allocated."""
-        if num_external_tokens <= 0 or request.request_id in self._loaded_once:
+        """Plan the load of the external tokens into the blocks just allocated; an announced entry that
+        will not be loaded is deleted now."""
+        req_id = request.request_id
+        state = self._requests.get(req_id)
+        if num_external_tokens <= 0 or req_id in self._loaded_once:
+            if state is not None and state.announcement is not None and req_id not in self._loaded_once:
+                self._discard_announced(request, state)
             return
         tokens = _token_list(request.prompt_token_ids)
         stop = len(tokens) - 1
-        self._pending_loads[request.request_id] = TransferSpec(
-            request.request_id, tokens, list(blocks.get_block_ids()[0]), stop - num_external_tokens, stop
+        announcement = state.announcement if state is not None else None
+        self._pending_loads[req_id] = TransferSpec(
+            req_id, tokens, list(blocks.get_block_ids()[0]), stop - num_external_tokens, stop,
+            context=state.context if state is not None else "",
+            entry_id=announcement.entry_id if announcement is not None else None,
         )
+        if state is not None:
+            state.announcement = None  # taken by the load from now on
+
+    def _discard_announced(self, request: Any, state: _RequestState) -> None:
+        """Delete, on a background thread, the announced entry this request will not load (every shard)."""
+        announcement, state.announcement = state.announcement, None
+        if announcement is None or announcement.entry_id is None:
+            return  # without an id, the entry is any reader's: it is left to them or to its TTL
+        tokens = _token_list(request.prompt_token_ids)
+        if not tokens:
+            return
+        if self._discard_pool is None:
+            self._discard_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvredis-discard")
+        for shard in announcement.shards:
+            future = self._discard_pool.submit(self._discard, request.request_id, tokens, state.context,
+                                               announcement.entry_id, shard)
+            with self._lock:
+                self._discards.add(future)
+            future.add_done_callback(self._forget_discard)
+
+    def _discard(self, req_id: str, tokens: list[int], context: str, entry_id: str, shard: str) -> None:
+        try:
+            # The producer may still be writing it (it announces before its writer thread is done).
+            deleted = self.buffer.discard(tokens, None, context=context, entry_id=entry_id,
+                                          wait_s=self.config.pop_timeout_s, prefix=shard)
+        except Exception as exc:  # a background thread: say so, or it vanishes in its future
+            logger.warning("request %s: could not delete its unused entry %s (%s); it expires with its TTL",
+                           req_id, entry_id, exc)
+            return
+        if deleted:
+            self.counts.add(discarded_entries=1)
+
+    def _forget_discard(self, future: Future[None]) -> None:
+        with self._lock:
+            self._discards.discard(future)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """This step's loads (planned at allocation) and saves (prompts whose prefill completes now)."""
@@ -390,10 +589,14 @@ class KVRedisConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             # A one-token prompt has nothing a decoder could load (it computes the last token itself); a
             # request already saved comes back here when vLLM 0.34 resumes it after preemption.
+            state = self._requests.get(new.req_id)
             if (new.prompt_token_ids is not None and len(new.prompt_token_ids) > 1
-                    and new.req_id not in self._loaded_once and new.req_id not in self._saved):
+                    and new.req_id not in self._loaded_once and new.req_id not in self._saved
+                    and state is not None and not state.unsupported
+                    and (state.remote_decode or self.config.store_all_prompts)):
                 self._prefills[new.req_id] = _Prefill(
-                    _token_list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens))
+                    _token_list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens),
+                    state.context, new_entry_id() if state.remote_decode else None)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             prefill = self._prefills.get(req_id)
@@ -410,8 +613,8 @@ class KVRedisConnector(KVConnectorBase_V1):
             scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if scheduled and prefill.computed + scheduled >= len(prefill.token_ids):
                 saves.append(TransferSpec(req_id, prefill.token_ids, prefill.block_ids, 0,
-                                          len(prefill.token_ids)))
-                self._saved.add(req_id)
+                                          len(prefill.token_ids), prefill.context, prefill.entry_id))
+                self._saved[req_id] = prefill.entry_id
                 del self._prefills[req_id]
         return saves
 
@@ -421,15 +624,22 @@ class KVRedisConnector(KVConnectorBase_V1):
             self._loading.discard(req_id)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Hold the blocks of a request whose load is still writing; announce a saved prompt."""
+        """Hold the blocks of a request whose load is still writing; announce a saved prompt; delete an
+        announced entry the request ended without loading."""
         req_id = request.request_id
+        state = self._requests.pop(req_id, None)
+        if state is not None and state.announcement is not None:
+            self._discard_announced(request, state)
         self._prefills.pop(req_id, None)
         self._loaded_once.discard(req_id)
         self._pending_loads.pop(req_id, None)
         params = None
         if req_id in self._saved:
-            self._saved.discard(req_id)
-            params = {TRANSFER_PARAM: {"prompt_tokens": len(request.prompt_token_ids or ())}}
+            entry_id = self._saved.pop(req_id)
+            if entry_id is not None:
+                params = {TRANSFER_PARAM: {"prompt_tokens": len(request.prompt_token_ids or ()),
+                                           "entry": entry_id, "engine": self._engine_description(),
+                                           "shards": list(self._shards)}}
         return req_id in self._loading, params
 
     # -- worker side ------------------------------------------------------------------------------
@@ -445,7 +655,10 @@ class KVRedisConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRedisConnectorMetadata)
         for spec in meta.loads:
-            self._load_pool.submit(self._load, spec)
+            try:
+                self._load_pool.submit(self._load, spec)
+            except RuntimeError as exc:  # shut down: the request must still hear that nothing comes
+                self._load_failed(spec, f"the load could not start: {exc}")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: loads are asynchronous and finish before the request is scheduled."""
@@ -489,16 +702,38 @@ class KVRedisConnector(KVConnectorBase_V1):
             return
         for spec in meta.saves:
             capture = self._gathered.pop(spec.req_id, None)
-            captured = len(capture.layers) if capture is not None else 0
-            if capture is None or capture.broken or captured != len(self._layer_index):
+            try:
+                pages = self._whole_capture(spec, capture)
+            except Exception as exc:  # a save that cannot be made must not fail the engine's step
                 self.counts.add(save_failures=1)
-                logger.warning("request %s: KV of %d of %d layers captured, not saving it",
-                               spec.req_id, captured, len(self._layer_index))
+                logger.warning("request %s: cannot copy its KV out of the caches, not saving it: %s",
+                               spec.req_id, exc)
                 continue
-            future = self._save_pool.submit(self._save, spec, capture.pages)
+            future = self._save_pool.submit(self._save, spec, pages)
             with self._lock:
                 self._saves_in_flight.add(future)
             future.add_done_callback(self._forget_save)
+
+    def _whole_capture(self, spec: TransferSpec, capture: _Capture | None) -> torch.Tensor:
+        """Every layer's pages of the prompt: those ``save_kv_layer`` copied, and the rest copied now from
+        the registered caches (a full CUDA graph or a compiled region runs no per-layer hook; the step's
+        blocks cannot be reused before this call returns)."""
+        if capture is not None and capture.broken:
+            raise KVRedisError("a layer's pages differ in shape from the first layer's")
+        names = list(self._layer_index)
+        if not names:
+            raise KVRedisError("no KV caches registered")
+        if capture is not None and len(capture.layers) == len(names):
+            return capture.pages
+        first = self._layouts[names[0]]
+        pages = first.kernel_blocks(self._prompt_blocks(spec), self._block_size)
+        if capture is None:
+            shape = (len(names), len(pages), *first.page_shape)
+            capture = _Capture(torch.empty(shape, dtype=self._layers[names[0]].dtype))
+        for index, name in enumerate(names):
+            if name not in capture.layers:
+                capture.pages[index].copy_(self._layouts[name].gather(self._layers[name], pages))
+        return capture.pages
 
     def _forget_save(self, future: Future[None]) -> None:
         with self._lock:
@@ -506,7 +741,8 @@ class KVRedisConnector(KVConnectorBase_V1):
 
     def _save(self, spec: TransferSpec, pages: torch.Tensor) -> None:
         try:
-            self.buffer.insert(torch.tensor(spec.token_ids, dtype=torch.long), None, pages, None, None)
+            self.buffer.insert(torch.tensor(spec.token_ids, dtype=torch.long), None, pages, None, None,
+                               context=spec.context, entry_id=spec.entry_id)
         except KVRedisError as exc:
             self.counts.add(save_failures=1)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
@@ -526,20 +762,29 @@ class KVRedisConnector(KVConnectorBase_V1):
         except Exception as exc:  # a load must never take the engine down: recompute instead.
             logger.exception("request %s: unexpected error loading KV", spec.req_id)
             cause = f"{type(exc).__name__}: {exc}"
-        tokens = spec.stop - spec.start
-        with self._lock:
-            if cause is None:
+        if cause is None:
+            with self._lock:
                 self._received.add(spec.req_id)
-                self.counts.add(loaded_requests=1, loaded_tokens=tokens)
-                return
-            self._failed[spec.req_id] = set(self._prompt_blocks(spec))
-            self.counts.add(load_failures=1, failed_tokens=tokens)
+                self.counts.add(loaded_requests=1, loaded_tokens=spec.stop - spec.start)
+            return
+        self._load_failed(spec, cause)
+
+    def _load_failed(self, spec: TransferSpec, cause: str) -> None:
+        """Report the request's blocks as not loaded (vLLM recomputes or fails them); never raises."""
+        try:
+            blocks = set(self._prompt_blocks(spec))
+        except Exception:  # page arithmetic that cannot hold: every block of the request is suspect
+            blocks = set(spec.block_ids)
+        with self._lock:
+            self._failed[spec.req_id] = blocks
+            self.counts.add(load_failures=1, failed_tokens=spec.stop - spec.start)
         logger.warning("request %s: KV of %d tokens not loaded from Redis (%s); vLLM recomputes them",
                        spec.req_id, spec.stop - spec.start, cause)
 
     def _load_into_blocks(self, spec: TransferSpec) -> str | None:
         """Take the entry and write its pages into the blocks; returns why not, or ``None`` on success."""
-        entry, cause = self.buffer.take(torch.tensor(spec.token_ids, dtype=torch.long), None)
+        entry, cause = self.buffer.take(torch.tensor(spec.token_ids, dtype=torch.long), None,
+                                        context=spec.context, entry_id=spec.entry_id)
         if entry is None:
             if cause == "absent":
                 return f"no entry within {self.config.pop_timeout_s:g} s (missing, expired or evicted)"
@@ -609,6 +854,8 @@ class KVRedisConnector(KVConnectorBase_V1):
             wait_futures(pending, timeout=_SHUTDOWN_WAIT_S)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._save_pool.shutdown(wait=False, cancel_futures=True)
+        if self._discard_pool is not None:
+            self._discard_pool.shutdown(wait=False, cancel_futures=True)
         self.buffer.close()
 
 
@@ -616,6 +863,3 @@ def _token_list(tokens: Any) -> list[int]:
     """Prompt token IDs as a list of ints (vLLM 0.34 hands a ``TokenBuffer`` array)."""
     return [] if tokens is None else [int(t) for t in tokens]
 
-
-def _announced(params: dict[str, Any] | None) -> bool:
-    return bool(params) and isinstance(params, dict) and TRANSFER_PARAM in params

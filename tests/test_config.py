@@ -31,6 +31,7 @@ EXPECTED_DEFAULTS = {
     "tls_ca_file": None,
     "tls_cert_file": None,
     "tls_key_file": None,
+    "store_all_prompts": False,
 }
 
 # One valid non-default text value per setting, and what it parses to (TLS files are filled in per test).

@@ -53,6 +53,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvredis import codec
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
+from kvredis.keys import new_entry_id
 from kvredis.vllm import TRANSFER_PARAM, KVRedisConnector
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -94,6 +95,8 @@ class Engine:
     new_reqs: dict[str, Any] = dataclasses.field(default_factory=dict)  # first NewRequestData per id
     scheduled: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # tokens per step, by id
     _blocks: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # The layers whose save_kv_layer hook runs (a full CUDA graph replay runs none).
+    hooked_layers: set[str] = dataclasses.field(default_factory=lambda: set(LAYERS))
 
     @property
     def connector(self) -> KVRedisConnector:
@@ -103,13 +106,14 @@ class Engine:
         return connector
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2,
-            params: dict[str, Any] | None = None) -> Request:
+            params: dict[str, Any] | None = None, **fields: Any) -> Request:
+        """Add a request; ``fields`` are more of ``Request``'s (``lora_request``, ``cache_salt``, ...)."""
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                   extra_args={"kv_transfer_params": params} if params is not None else None)
         sampling.update_from_generation_config({}, 2)
         request = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sampling,
-                          pooling_params=None, mm_features=None,
-                          block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+                          pooling_params=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+                          **{"mm_features": None, **fields})
         self.scheduler.add_request(request)
         return request
 
@@ -184,7 +188,8 @@ class Engine:
                 self.layers[name][blocks, :, positions % BLOCK_SIZE, :] = kv_values(tokens, positions, index)
             sampled[req_id] = [SAMPLED] if start + count >= request.num_tokens else []
         for name, layer in self.layers.items():
-            self.worker.save_kv_layer(name, layer, SimpleNamespace())
+            if name in self.hooked_layers:
+                self.worker.save_kv_layer(name, layer, SimpleNamespace())
         for spec in output.kv_connector_metadata.saves:
             blocks = torch.tensor(self._blocks[spec.req_id][:-(-len(spec.token_ids) // BLOCK_SIZE)])
             self.snapshots[spec.req_id] = {name: layer[blocks].clone() for name, layer in self.layers.items()}
@@ -207,9 +212,10 @@ class Engine:
         self.run(lambda: req_id in self.finished)
         return self.finished[req_id]
 
-    def produce(self, req_id: str, prompt: list[int], wait: bool = True) -> dict[str, Any]:
+    def produce(self, req_id: str, prompt: list[int], wait: bool = True, **fields: Any) -> dict[str, Any]:
         """Prefill as the proxy asks (one token); the kv_transfer_params the answer carries."""
-        self.add(req_id, prompt, max_tokens=1, params={"do_remote_decode": True, "do_remote_prefill": False})
+        self.add(req_id, prompt, max_tokens=1, params={"do_remote_decode": True, "do_remote_prefill": False},
+                 **fields)
         params = self.finish(req_id).kv_transfer_params
         if wait:
             self.wait_saved()
@@ -220,6 +226,13 @@ class Engine:
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while self.worker._saves_in_flight:
             assert time.monotonic() < deadline, "a save did not finish"
+            time.sleep(0.002)
+
+    def wait_discarded(self) -> None:
+        """Until the scheduler's threads deleted every unused announced entry handed to them."""
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while self.connector._discards:
+            assert time.monotonic() < deadline, "a discard did not finish"
             time.sleep(0.002)
 
     def assert_empty(self) -> None:
@@ -236,7 +249,9 @@ class Engine:
         assert self.free_blocks() == NUM_BLOCKS - 1  # block 0 is the null block
         assert all(block.ref_cnt == 0 for block in s.kv_cache_manager.block_pool.blocks)
         c = self.connector
+        self.wait_discarded()
         assert not (c._pending_loads or c._loading or c._loaded_once or c._prefills or c._saved)
+        assert not c._requests
         w = self.worker
         assert not (w._gathered or w._received or w._failed or w._failed_reported)
 
@@ -255,7 +270,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
     namespace = "t-vllm-" + uuid.uuid4().hex[:10]
     engines: list[Engine] = []
 
-    def make(role: str, url: str = real_redis_url, **settings: Any) -> Engine:
+    def make(role: str, url: str = real_redis_url, policy: str = "recompute", **settings: Any) -> Engine:
         extra = {"url": url, "namespace": namespace, "pop_timeout_s": 2.0, **settings}
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN),
@@ -266,7 +281,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
                                      cache_dtype="auto", enable_prefix_caching=True),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVRedisConnector", kv_connector_module_path="kvredis.vllm", kv_role=role,
-                kv_connector_extra_config=extra, kv_load_failure_policy="recompute"),
+                kv_connector_extra_config=extra, kv_load_failure_policy=policy),
             device_config=DeviceConfig("cpu"),
         )
         vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the engine core resolves it before connectors
@@ -346,10 +361,14 @@ def test_hit_loads_the_pages_and_schedules_the_last_token(make_engine, length: i
 
 
 def test_an_entry_found_in_redis_is_loaded_without_an_announcement(make_engine) -> None:
-    """No kv_transfer_params: the scheduler looks the prompt up in Redis (LLEN) and loads it."""
-    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    """No kv_transfer_params: the scheduler looks the prompt up in Redis (LLEN) and loads an entry that a
+    producer storing every prompt (KVREDIS_STORE_ALL_PROMPTS) left for any reader."""
+    producer = make_engine("kv_producer", store_all_prompts=True)
+    consumer = make_engine("kv_consumer")
     prompt = prompt_of(90, seed=1)
-    producer.produce("p", prompt)
+    producer.add("p", prompt, max_tokens=1)  # not a proxy's request: no do_remote_decode
+    assert producer.finish("p").kv_transfer_params is None  # nothing announced
+    producer.wait_saved()
     consumer.add("c", prompt)
     consumer.run(lambda: "c" in consumer.new_reqs)
     assert consumer.new_reqs["c"].num_computed_tokens == 89
@@ -360,11 +379,26 @@ def test_an_entry_found_in_redis_is_loaded_without_an_announcement(make_engine) 
     assert redis_keys(consumer.redis_url, consumer.namespace) == []
 
 
-def test_a_decode_that_arrives_before_the_entry_waits_for_it(make_engine) -> None:
+@pytest.fixture
+def next_entry_id(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The id the producer gives its next entry, known before it runs (to announce it to a decode first)."""
+    import kvredis.vllm
+
+    entry_id = new_entry_id()
+    monkeypatch.setattr(kvredis.vllm, "new_entry_id", lambda: entry_id)
+    return entry_id
+
+
+def announcement(prompt: list[int], entry_id: str) -> dict[str, Any]:
+    """What a producer's answer says of the entry it writes (the engine's description left out)."""
+    return {TRANSFER_PARAM: {"prompt_tokens": len(prompt), "entry": entry_id}}
+
+
+def test_a_decode_that_arrives_before_the_entry_waits_for_it(make_engine, next_entry_id: str) -> None:
     """The proxy sends the decode as soon as prefill answers: the load waits (blocking pop), no recompute."""
     producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=5.0)
     prompt = prompt_of(100, seed=2)
-    consumer.add("c", prompt, params={TRANSFER_PARAM: {"prompt_tokens": len(prompt)}})
+    consumer.add("c", prompt, params=announcement(prompt, next_entry_id))
     consumer.step()
     consumer.step()  # the load is waiting in Redis now
     assert consumer.scheduler.requests["c"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -430,12 +464,12 @@ def _corrupt_record(url: str, namespace: str) -> None:
         client.close()
 
 
-def _plant_other_shape(consumer: Engine, prompt: list[int]) -> None:
+def _plant_other_shape(consumer: Engine, prompt: list[int], entry_id: str) -> None:
     """An entry under the consumer's own key whose pages have another shape (one layer, half the width)."""
     config = KVRedisConfig.from_env({}, {"url": consumer.redis_url, "namespace": consumer.namespace})
     with RedisLookupBuffer(config, identity=consumer.worker.identity) as buffer:
         pages = torch.zeros(1, -(-len(prompt) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH // 2)
-        buffer.insert(torch.tensor(prompt), None, pages, None, None)
+        buffer.insert(torch.tensor(prompt), None, pages, None, None, entry_id=entry_id)
 
 
 @pytest.mark.parametrize("fault", ["missing", "corrupt", "other-shape"])
@@ -445,7 +479,7 @@ def test_a_failed_load_reports_its_blocks_and_the_request_is_recomputed(
     producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=0.5)
     prompt = prompt_of(80, seed=7)
     if fault == "missing":  # announced, but the entry never comes (expired, evicted, never written)
-        params = {TRANSFER_PARAM: {"prompt_tokens": len(prompt)}}
+        params = announcement(prompt, new_entry_id())
     else:
         params = producer.produce("p", prompt)
         if fault == "corrupt":
@@ -455,7 +489,7 @@ def test_a_failed_load_reports_its_blocks_and_the_request_is_recomputed(
             client = redis.Redis.from_url(consumer.redis_url)
             client.delete(*redis_keys(consumer.redis_url, consumer.namespace))
             client.close()
-            _plant_other_shape(consumer, prompt)
+            _plant_other_shape(consumer, prompt, params[TRANSFER_PARAM]["entry"])
     with caplog.at_level(logging.WARNING, logger="kvredis"):
         consumer.add("c", prompt, max_tokens=2, params=params)
         consumer.step()
@@ -474,11 +508,13 @@ def test_a_failed_load_reports_its_blocks_and_the_request_is_recomputed(
 
 
 @pytest.mark.parametrize("outcome", ["entry-arrives", "load-fails"])
-def test_abort_while_loading_holds_the_blocks_until_the_worker_is_done(make_engine, outcome: str) -> None:
+def test_abort_while_loading_holds_the_blocks_until_the_worker_is_done(
+    make_engine, next_entry_id: str, outcome: str
+) -> None:
     """An aborted request's blocks stay allocated while its load may still write them, then are freed."""
     producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=1.0)
     prompt = prompt_of(100, seed=8)
-    consumer.add("c", prompt, params={TRANSFER_PARAM: {"prompt_tokens": len(prompt)}})
+    consumer.add("c", prompt, params=announcement(prompt, next_entry_id))
     consumer.step()  # allocates 4 blocks and starts the load, which waits in Redis
     held = NUM_BLOCKS - 1 - consumer.free_blocks()
     assert held == 4
