@@ -627,6 +627,8 @@ class KVRedisConnector(KVConnectorBase_V1):
         """Hold the blocks of a request whose load is still writing; announce a saved prompt; delete an
         announced entry the request ended without loading."""
         req_id = request.request_id
+        if self._consumer and req_id not in self._requests:
+            self._state_of(request)  # aborted before its first lookup: its announcement still counts
         state = self._requests.pop(req_id, None)
         if state is not None and state.announcement is not None:
             self._discard_announced(request, state)

@@ -592,3 +592,334 @@ def test_each_parallel_rank_has_its_own_keys(make_engine) -> None:
     config = make_engine("kv_consumer").worker._vllm_config
     identities = {cache_identity(config, tp, pp).digest() for tp in range(2) for pp in range(2)}
     assert len(identities) == 4
+
+
+# -- what decides an entry (issue: LoRA, multimodal, cache_salt) ------------------------------------
+
+
+def _adapter(folder: Path, name: str, seed: int) -> Any:
+    """A LoRA request naming an adapter folder with its own bytes (the scheduler only hashes them)."""
+    from vllm.lora.request import LoRARequest
+
+    path = folder / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 4, "peft_type": "LORA"}')
+    (path / "adapter_model.safetensors").write_bytes(os.urandom(64) + bytes([seed]))
+    return LoRARequest(lora_name=name, lora_int_id=seed, lora_path=str(path))
+
+
+def _image(identifier: str, offset: int = 4, length: int = 16) -> Any:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+def test_an_entry_written_for_one_adapter_is_never_loaded_for_another(make_engine, tmp_path: Path) -> None:
+    """Same prompt, two adapters: B's request, announced with A's entry left by a client that went away,
+    does not get A's KV; each request loads the entry its own prefill wrote."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    lora_a, lora_b = _adapter(tmp_path, "a", 1), _adapter(tmp_path, "b", 2)
+    prompt = prompt_of(70, seed=40)
+    params_a = producer.produce("pa", prompt, lora_request=lora_a)  # its decode never comes
+    params_b = producer.produce("pb", prompt, lora_request=lora_b)
+    # The worst a proxy or client could do: hand B's request A's announcement.
+    consumer.add("wrong", prompt, max_tokens=1, params=params_a, lora_request=lora_b)
+    consumer.finish("wrong")
+    assert consumer.new_reqs["wrong"].num_computed_tokens == 0  # computed, A's entry not taken
+    assert consumer.stats["loaded_requests"] == 0 and consumer.invalid_blocks == [set(consumer.new_reqs[
+        "wrong"].block_ids[0][:3])]
+    consumer.add("b", prompt, params=params_b, lora_request=lora_b)
+    consumer.run(lambda: "b" in consumer.new_reqs)
+    assert consumer.new_reqs["b"].num_computed_tokens == 69
+    assert_pages_moved(producer, consumer, "b", "pb", 0, 3)
+    consumer.finish("b")
+    # A's entry is still there for A's own decode; without the adapter the prompt finds nothing.
+    consumer.add("plain", prompt, max_tokens=1)
+    consumer.finish("plain")
+    assert consumer.new_reqs["plain"].num_computed_tokens == 0
+    consumer.add("a", prompt, params=params_a, lora_request=lora_a)
+    consumer.finish("a")
+    assert consumer.new_reqs["a"].num_computed_tokens == 69
+    assert consumer.stats["loaded_requests"] == 2
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+def test_an_adapter_renamed_to_other_weights_gets_other_keys(tmp_path: Path) -> None:
+    """The key holds the adapter's bytes: the same name pointed at new weights must not hit old entries;
+    the same weights under another folder (the decode engine's own copy) must."""
+    from vllm.lora.request import LoRARequest
+
+    from kvredis.request_keys import AdapterDigests, request_context
+
+    digests = AdapterDigests()
+    first = _adapter(tmp_path / "one", "a", 1)
+    same_bytes = tmp_path / "two" / "a"
+    same_bytes.mkdir(parents=True)
+    for item in Path(first.lora_path).iterdir():
+        (same_bytes / item.name).write_bytes(item.read_bytes())
+    copy = LoRARequest(lora_name="a", lora_int_id=1, lora_path=str(same_bytes))
+
+    def context(lora: Any) -> str:
+        return request_context(SimpleNamespace(lora_request=lora, mm_features=[], cache_salt=None,
+                                               prompt_embeds=None), digests).digest
+
+    assert context(first) == context(copy) != ""
+    weights = Path(first.lora_path) / "adapter_model.safetensors"
+    weights.write_bytes(b"retrained" + weights.read_bytes())
+    assert context(first) != context(copy)
+    elsewhere = LoRARequest(lora_name="a", lora_int_id=1, lora_path=str(tmp_path / "no"))
+    assert context(elsewhere) != context(first)
+
+
+def test_cache_salt_keeps_tenants_apart(make_engine) -> None:
+    """An entry written under one salt is never loaded under another salt or under none."""
+    producer, consumer = make_engine("kv_producer", store_all_prompts=True), make_engine("kv_consumer")
+    prompt = prompt_of(80, seed=41)
+    producer.add("p", prompt, max_tokens=1, cache_salt="tenant-a")
+    producer.finish("p")
+    producer.wait_saved()
+    for req_id, salt in (("none", None), ("other", "tenant-b")):
+        consumer.add(req_id, prompt, max_tokens=1, cache_salt=salt)
+        consumer.finish(req_id)
+        assert consumer.new_reqs[req_id].num_computed_tokens == 0, req_id
+    assert len(redis_keys(consumer.redis_url, consumer.namespace)) == 1  # still there, untouched
+    consumer.add("same", prompt, max_tokens=1, cache_salt="tenant-a")
+    consumer.finish("same")
+    assert consumer.new_reqs["same"].num_computed_tokens == 79
+    assert consumer.stats["loaded_requests"] == 1
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+def test_multimodal_inputs_are_part_of_the_key(make_engine) -> None:
+    """Same placeholder tokens, different images (or the same image elsewhere): different keys. The
+    scheduler's lookup and the worker's store compute the same key for the same image."""
+    from kvredis.request_keys import request_context
+
+    consumer = make_engine("kv_consumer")
+    prompt = prompt_of(60, seed=42)
+    cat, dog = [_image("hash-of-cat")], [_image("hash-of-dog")]
+    moved = [_image("hash-of-cat", offset=5)]
+    requests = {name: Request(request_id=name, prompt_token_ids=prompt, sampling_params=SamplingParams(),
+                              pooling_params=None, mm_features=features)
+                for name, features in (("cat", cat), ("dog", dog), ("moved", moved), ("text", None))}
+    contexts = {name: request_context(request).digest for name, request in requests.items()}
+    assert len(set(contexts.values())) == 4 and contexts["text"] == ""
+    again = Request(request_id="cat2", prompt_token_ids=prompt, sampling_params=SamplingParams(),
+                    pooling_params=None, mm_features=[_image("hash-of-cat")])
+    assert request_context(again).digest == contexts["cat"]
+    # An entry the producer's worker stores for the cat image is found for the cat only.
+    consumer.worker.buffer.insert(torch.tensor(prompt), None, torch.zeros(1), None, None,
+                                  context=contexts["cat"])
+    found = {name: consumer.connector.get_num_new_matched_tokens(request, 0)
+             for name, request in requests.items()}
+    assert found == {"cat": (59, True), "dog": (0, False), "moved": (0, False), "text": (0, False)}
+    for request in requests.values():
+        consumer.connector.request_finished(request, [])
+    client = redis.Redis.from_url(consumer.redis_url)
+    client.delete(*redis_keys(consumer.redis_url, consumer.namespace))
+    client.close()
+
+
+def test_prompt_embeddings_are_neither_saved_nor_loaded(make_engine, caplog) -> None:
+    producer = make_engine("kv_producer", store_all_prompts=True)
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        for req_id in ("e1", "e2"):
+            producer.add(req_id, [0] * 40, max_tokens=1, prompt_embeds=torch.randn(40, 8),
+                         params={"do_remote_decode": True})
+            assert producer.finish(req_id).kv_transfer_params is None
+    producer.assert_empty()
+    assert producer.stats["skipped_requests"] == 2 and producer.stats["saved_requests"] == 0
+    said = [r.getMessage() for r in caplog.records if "prompt embeddings" in r.getMessage()]
+    assert len(said) == 1, said
+    assert redis_keys(producer.redis_url, producer.namespace) == []
+
+
+# -- who writes, who takes, what is left ------------------------------------------------------------
+
+
+def test_a_producer_stores_only_prompts_a_decode_will_ask_for(make_engine) -> None:
+    """Direct requests to a producer (or a kv_both instance's ordinary traffic) leave nothing in Redis."""
+    for role in ("kv_producer", "kv_both"):
+        engine = make_engine(role)
+        engine.add(f"{role}-direct", prompt_of(50, seed=43), max_tokens=2)
+        assert engine.finish(f"{role}-direct").kv_transfer_params is None
+        engine.wait_saved()
+        assert redis_keys(engine.redis_url, engine.namespace) == []
+        assert engine.stats["saved_requests"] == 0
+        engine.assert_empty()
+
+
+def test_a_decode_takes_its_own_entry_not_an_older_one(make_engine) -> None:
+    """Two prefills of one prompt: the first one's client went away. The decode announced with the second
+    entry takes that one at once; the older one is left alone (to its TTL) and taken by nobody else."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prompt = prompt_of(75, seed=44)
+    old = producer.produce("old", prompt)[TRANSFER_PARAM]["entry"]
+    params = producer.produce("new", prompt)
+    new = params[TRANSFER_PARAM]["entry"]
+    assert old != new
+    started = time.monotonic()
+    consumer.add("c", prompt, params=params)
+    consumer.finish("c")
+    assert time.monotonic() - started < STEP_TIMEOUT_S / 2
+    assert consumer.new_reqs["c"].num_computed_tokens == 74
+    left = [key.decode() for key in redis_keys(consumer.redis_url, consumer.namespace)]
+    assert left and all(f":{old}:" in key for key in left) and not any(new in key for key in left)
+    other = make_engine("kv_consumer")  # a decode whose prefix cache does not hold the prompt
+    other.add("unannounced", prompt, max_tokens=1)  # any-entry lookups see no announced entry
+    other.finish("unannounced")
+    assert other.new_reqs["unannounced"].num_computed_tokens == 0
+    other.assert_empty()
+    client = redis.Redis.from_url(consumer.redis_url)
+    client.delete(*left)
+    client.close()
+    producer.assert_empty()
+    consumer.assert_empty()
+
+
+def test_an_announced_entry_covered_by_the_local_prefix_cache_is_deleted(make_engine) -> None:
+    """The decode already holds the prompt (3 blocks + 1 token) in its prefix cache: it loads nothing and
+    the announced entry is deleted at once, not left for a later request with the same tokens."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prompt = prompt_of(3 * BLOCK_SIZE + 1, seed=45)
+    consumer.add("warm", prompt, max_tokens=1)
+    consumer.finish("warm")
+    params = producer.produce("p", prompt)
+    assert redis_keys(consumer.redis_url, consumer.namespace)
+    consumer.add("c", prompt, params=params)
+    consumer.finish("c")
+    assert consumer.new_reqs["c"].num_computed_tokens == 3 * BLOCK_SIZE  # from its own cache
+    consumer.wait_discarded()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    producer.assert_empty()
+    consumer.assert_empty()  # one more step: the count comes with it
+    assert consumer.stats["discarded_entries"] == 1 and consumer.stats["loaded_requests"] == 0
+
+
+def test_an_announced_request_aborted_before_loading_deletes_its_entry(make_engine) -> None:
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prompt = prompt_of(90, seed=46)
+    params = producer.produce("p", prompt)
+    consumer.add("c", prompt, params=params)
+    consumer.scheduler.finish_requests("c", RequestStatus.FINISHED_ABORTED)  # before any step
+    consumer.wait_discarded()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert consumer.stats["discarded_entries"] == 1 and consumer.stats["loaded_requests"] == 0
+
+
+def test_an_entry_from_an_engine_configured_differently_is_not_waited_for(make_engine, caplog) -> None:
+    """The announcement says what the prefill engine wrote for; a decode that differs computes at once,
+    says once what differs, and deletes the entry (which cannot fit)."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        for index in range(2):
+            prompt = prompt_of(70, seed=47 + index)
+            params = producer.produce(f"p{index}", prompt)
+            params[TRANSFER_PARAM]["engine"]["block_size"] = 16  # as a prefill run with --block-size 16
+            started = time.monotonic()
+            consumer.add(f"c{index}", prompt, max_tokens=1, params=params)
+            first = consumer.step()
+            assert first.num_scheduled_tokens[f"c{index}"] == 70  # computed now, nothing awaited
+            consumer.finish(f"c{index}")
+            assert time.monotonic() - started < 5.0
+    said = [r.getMessage() for r in caplog.records if "configured differently" in r.getMessage()]
+    assert len(said) == 1 and "block size 16 on prefill, 32 here" in said[0], said
+    consumer.wait_discarded()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert consumer.stats["skipped_requests"] == 2 and consumer.stats["discarded_entries"] == 2
+
+
+@pytest.mark.parametrize("hooked", ["none", "first-layer"])
+def test_a_prefill_whose_layer_hooks_did_not_run_is_still_saved_whole(make_engine, hooked: str) -> None:
+    """A full CUDA graph replay (or a compiled region) runs no save_kv_layer: the pages are copied from the
+    registered caches in wait_for_save, and the decode gets exactly the prefill's KV."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    producer.hooked_layers = set() if hooked == "none" else {LAYERS[0]}
+    prompt = prompt_of(3 * BLOCK_SIZE + 1, seed=49)  # the last step prefills one token
+    params = producer.produce("p", prompt)
+    consumer.add("c", prompt, params=params)
+    consumer.run(lambda: "c" in consumer.new_reqs)
+    assert consumer.new_reqs["c"].num_computed_tokens == 3 * BLOCK_SIZE
+    assert_pages_moved(producer, consumer, "c", "p", 0, 3)
+    consumer.finish("c")
+    producer.assert_empty()
+    assert producer.stats["saved_requests"] == 1 and producer.stats["save_failures"] == 0
+    consumer.assert_empty()
+
+
+# -- start-up checks --------------------------------------------------------------------------------
+
+
+def test_a_fail_load_policy_is_warned_about_at_start_up(make_engine, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        make_engine("kv_consumer", policy="fail")
+    said = [r.getMessage() for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+    assert len(said) == 1 and '"recompute"' in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        make_engine("kv_consumer", policy="recompute")
+        make_engine("kv_producer", policy="fail")  # a producer loads nothing
+    assert not [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+
+
+def test_configurations_the_pages_cannot_express_are_refused() -> None:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from kvredis.errors import ConfigError
+    from kvredis.vllm import refuse_unsupported
+
+    def config(dcp: int = 1, pcp: int = 1) -> Any:
+        return SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=dcp,
+                                                               prefill_context_parallel_size=pcp))
+
+    full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=WIDTH // 2,
+                             dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=WIDTH // 2,
+                               dtype=torch.float32, sliding_window=128)
+    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], full)])
+    refuse_unsupported(config(), one)
+    with pytest.raises(ConfigError, match=r"-dcp"):
+        refuse_unsupported(config(dcp=2), one)
+    with pytest.raises(ConfigError, match=r"-pcp"):
+        refuse_unsupported(config(pcp=2), one)
+    hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window)])
+    with pytest.raises(ConfigError, match="one KV cache group"):
+        refuse_unsupported(config(), hybrid)
+    windowed = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["b"], window)])
+    with pytest.raises(ConfigError, match="SlidingWindowSpec"):
+        refuse_unsupported(config(), windowed)
+
+
+def test_no_exception_escapes_a_load_without_its_blocks_reported(make_engine, monkeypatch) -> None:
+    """Page arithmetic that raises (as decode context parallelism would) still ends the load: the request's
+    blocks are reported and it is recomputed, not left waiting."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prompt = prompt_of(70, seed=50)
+    params = producer.produce("p", prompt)
+
+    def broken(spec: Any) -> list[int]:
+        raise IndexError("block table shorter than the span")
+
+    monkeypatch.setattr(consumer.worker, "_prompt_blocks", broken)
+    consumer.add("c", prompt, max_tokens=1, params=params)
+    consumer.finish("c")
+    assert "c" in consumer.recved and len(consumer.invalid_blocks) == 1
+    assert consumer.stats["load_failures"] == 1
+    producer.assert_empty()
+    consumer.assert_empty()
+    left = redis_keys(consumer.redis_url, consumer.namespace)
+    if left:  # the load failed before taking the entry
+        client = redis.Redis.from_url(consumer.redis_url)
+        client.delete(*left)
+        client.close()
