@@ -34,6 +34,7 @@ from engine_servers import (
 
 from kvredis import codec
 from kvredis.tinymodel import write_tiny_llama
+from kvredis.vllm import TRANSFER_PARAM
 
 TP = 2
 START_TIMEOUT_S = 300.0
@@ -49,8 +50,10 @@ class Sharded(Disaggregated):
         try:
             record = client.lindex(queue, 0)
             header = codec.read_header(record, max_payload_bytes=1 << 30)
+            # An announced entry's list is <prefix>:{digest}:<id>:q, its pieces <prefix>:{digest}:<id>:<i>.
+            assert header.meta["id"] == queue.split(":")[-2], (queue, header.meta)
             if header.meta.get("pieces"):
-                base = queue.removesuffix(":q")
+                base = queue.rsplit(":", 2)[0]
                 payload = b"".join(client.get(f"{base}:{header.meta['id']}:{index}")
                                    for index in range(header.meta["pieces"]))
             else:
@@ -98,10 +101,13 @@ def test_each_rank_stores_and_loads_its_own_shard(sharded: Sharded) -> None:
     for prompt, want in zip(prompts, expected, strict=True):
         params = sharded.prefill_params(prompt)
         queues = sharded.entry_queues(TP)
-        # One entry per rank, for the same prompt (the hash tag) under two cache identities.
+        # One entry per rank: the same prompt (the hash tag) and announced entry id, under two cache
+        # identities (<namespace>:<identity>:{digest}:<entry id>:q).
         assert len(queues) == TP, queues
         assert len({queue.split(":")[-2] for queue in queues}) == 1, queues
-        assert len({queue.split(":")[-3] for queue in queues}) == TP, queues
+        assert len({queue.split(":")[-3] for queue in queues}) == 1, queues
+        assert len({queue.split(":")[-4] for queue in queues}) == TP, queues
+        assert params[TRANSFER_PARAM]["entry"] == queues[0].split(":")[-2], params
         pages = -(-len(prompt) // BLOCK_SIZE)
         shards = []
         for queue in queues:
@@ -138,7 +144,8 @@ def test_a_lost_shard_makes_the_decode_recompute_the_prompt(sharded: Sharded) ->
     queues = sharded.entry_queues(TP)
     client = sharded.redis.client()
     try:
-        pieces = sorted(client.scan_iter(match=queues[0].removesuffix(":q") + ":*:*"))
+        pieces = sorted(key for key in client.scan_iter(match=queues[0].removesuffix(":q") + ":*")
+                        if not key.endswith(b":q"))
         assert len(pieces) >= 2, pieces
         client.delete(pieces[-1])
     finally:
