@@ -7,7 +7,8 @@ broken vLLM an error instead of a silent skip.
 The scheduler-level tests also run against the Python code of later releases, laid over the CPU
 environment (``scripts/install_vllm_overlay.sh``, first on ``PYTHONPATH``). ``KVREDIS_EXPECT_VLLM=<version>``
 names the release such a run means to test: the vLLM imported must be that one (a broken overlay must not
-quietly test the CPU build underneath), and any skipped test fails the run.
+quietly test the CPU build underneath). With either variable set (as CI sets them), a skipped test fails
+the run: every version runs every test it is given.
 """
 
 from __future__ import annotations
@@ -101,22 +102,23 @@ if VLLM_VERSION is not None and tuple(int(part) for part in VLLM_VERSION.split("
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
-    """With ``KVREDIS_EXPECT_VLLM``, a skipped test is a failed one: each version must run every test."""
+    """In CI (``KVREDIS_REQUIRE_VLLM`` or ``KVREDIS_EXPECT_VLLM``), a skipped test is a failed one."""
     outcome = yield
-    report = outcome.get_result()
-    if EXPECT_VLLM and report.skipped:
-        report.outcome = "failed"
-        report.longrepr = f"skipped under KVREDIS_EXPECT_VLLM={EXPECT_VLLM}: {report.longrepr}"
+    _fail_a_skip(outcome.get_result())
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     """The same for a module skipped whole (``pytest.importorskip``)."""
     outcome = yield
-    report = outcome.get_result()
-    if EXPECT_VLLM and report.skipped:
+    _fail_a_skip(outcome.get_result())
+
+
+def _fail_a_skip(report: Any) -> None:
+    if (REQUIRE_VLLM or EXPECT_VLLM) and report.skipped:
         report.outcome = "failed"
-        report.longrepr = f"skipped under KVREDIS_EXPECT_VLLM={EXPECT_VLLM}: {report.longrepr}"
+        report.longrepr = (f"skipped, and a skip fails the run here (KVREDIS_REQUIRE_VLLM={REQUIRE_VLLM:d}, "
+                           f"KVREDIS_EXPECT_VLLM={EXPECT_VLLM!r}): {report.longrepr}")
 
 
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
