@@ -53,6 +53,11 @@ def test_this_run_is_one_ci_makes() -> None:
     check_vllm_version(found)
 
 
+def _scheduler_files() -> list[str]:
+    (listed,) = re.findall(r"^VLLM_SCHEDULER_TESTS=\(([^)]*)\)", (ROOT / "scripts/test.sh").read_text(), re.M)
+    return [Path(name).name for name in listed.split()]
+
+
 def test_readme_names_the_tested_versions_and_levels() -> None:
     readme = (ROOT / "README.md").read_text()
     (table,) = re.findall(r"<!-- vllm-versions -->\n(.*?)<!-- /vllm-versions -->", readme, re.S)
@@ -60,5 +65,9 @@ def test_readme_names_the_tested_versions_and_levels() -> None:
         [cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()[2:])}
     assert set(rows) == {_cpu_build(), *_overlays()}, rows
     assert "engine" in rows[_cpu_build()][0].lower()
+    files = _scheduler_files()
+    assert "test_scheduler.py" in files
     for version in _overlays():
         assert "scheduler" in rows[version][0].lower() and "engine" not in rows[version][0].lower(), rows
+    (first, *_) = _overlays()
+    assert sorted(re.findall(r"`([\w.]+\.py)`", rows[first][1])) == sorted(files), rows[first]
