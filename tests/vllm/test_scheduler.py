@@ -97,6 +97,7 @@ class Engine:
     _blocks: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # The layers whose save_kv_layer hook runs (a full CUDA graph replay runs none).
     hooked_layers: set[str] = dataclasses.field(default_factory=lambda: set(LAYERS))
+    num_blocks: int = NUM_BLOCKS  # in the KV cache, block 0 (the null block) included
 
     @property
     def connector(self) -> KVRedisConnector:
@@ -246,7 +247,7 @@ class Engine:
         assert not any(getattr(s, "_kv_fetch_counts", {}).values())
         manager = s.kv_cache_manager.coordinator.single_type_managers[0]
         assert not manager.req_to_blocks and not manager.num_cached_block
-        assert self.free_blocks() == NUM_BLOCKS - 1  # block 0 is the null block
+        assert self.free_blocks() == self.num_blocks - 1  # block 0 is the null block
         assert all(block.ref_cnt == 0 for block in s.kv_cache_manager.block_pool.blocks)
         c = self.connector
         self.wait_discarded()
@@ -270,13 +271,15 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
     namespace = "t-vllm-" + uuid.uuid4().hex[:10]
     engines: list[Engine] = []
 
-    def make(role: str, url: str = real_redis_url, policy: str = "recompute", **settings: Any) -> Engine:
+    def make(role: str, url: str = real_redis_url, policy: str = "recompute", num_blocks: int = NUM_BLOCKS,
+             scheduler_settings: dict[str, Any] | None = None, **settings: Any) -> Engine:
+        """``scheduler_settings``: more of ``SchedulerConfig``'s fields; ``settings``: the connector's."""
         extra = {"url": url, "namespace": namespace, "pop_timeout_s": 2.0, **settings}
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN),
-            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=TOKEN_BUDGET,
-                                             max_model_len=MAX_LEN, enable_chunked_prefill=True,
-                                             is_encoder_decoder=False),
+            scheduler_config=SchedulerConfig(**{
+                "max_num_seqs": 8, "max_num_batched_tokens": TOKEN_BUDGET, "max_model_len": MAX_LEN,
+                "enable_chunked_prefill": True, "is_encoder_decoder": False, **(scheduler_settings or {})}),
             cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9,
                                      cache_dtype="auto", enable_prefix_caching=True),
             kv_transfer_config=KVTransferConfig(
@@ -285,17 +288,17 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
             device_config=DeviceConfig("cpu"),
         )
         vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the engine core resolves it before connectors
-        vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
-        kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS,
                                                              head_size=WIDTH // 2, dtype=torch.float32))])
         scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                               structured_output_manager=StructuredOutputManager(vllm_config),
                               block_size=BLOCK_SIZE, log_stats=True)
         worker = KVRedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        layers = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, WIDTH) for name in LAYERS}
+        layers = {name: torch.zeros(num_blocks, HEADS, BLOCK_SIZE, WIDTH) for name in LAYERS}
         worker.register_kv_caches(layers)
-        engine = Engine(scheduler, worker, layers, url, namespace)
+        engine = Engine(scheduler, worker, layers, url, namespace, num_blocks=num_blocks)
         engines.append(engine)
         return engine
 
