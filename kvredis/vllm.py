@@ -513,7 +513,7 @@ class KVRedisConnector(KVConnectorBase_V1):
             announced = params.get(TRANSFER_PARAM)
             state = self._requests[request.request_id] = _RequestState(
                 context.digest, context.unsupported, bool(params.get("do_remote_decode")),
-                self._announcement(request.request_id, announced) if self._consumer else None)
+                self._announcement(request.request_id, announced, context.digest) if self._consumer else None)
             if context.unsupported:
                 self.counts.add(skipped_requests=1)
                 self._warn_once(("unsupported", context.unsupported),
@@ -522,8 +522,9 @@ class KVRedisConnector(KVConnectorBase_V1):
                                 context.unsupported)
         return state
 
-    def _announcement(self, req_id: str, announced: Any) -> _Announcement | None:
-        """What the producer said of its entry, checked against this engine; ``None`` if nothing."""
+    def _announcement(self, req_id: str, announced: Any, context: str) -> _Announcement | None:
+        """What the producer said of its entry, checked against this engine and this request's ``context``
+        digest; ``None`` if nothing."""
         if announced is None:
             return None
         if not isinstance(announced, dict):
@@ -541,6 +542,14 @@ class KVRedisConnector(KVConnectorBase_V1):
             ours = self._engine_description()
             differences = [f"{label} {engine.get(name)!r} on prefill, {ours[name]!r} here"
                            for name, label in _IDENTITY_FIELDS.items() if engine.get(name) != ours[name]]
+        written_for = announced.get("context")
+        if isinstance(written_for, str) and written_for != context:
+            # An entry announced for another adapter, tenant or set of images (a proxy or client mixing up
+            # requests): its key differs from this request's, so no pop could find it. Compute at once.
+            self.counts.add(skipped_requests=1)
+            self._warn_once(("context",), "request %s: its announcement names an entry written for another "
+                            "LoRA adapter, cache_salt or multimodal input; computing the prompt here", req_id)
+            return _Announcement(entry_id, ["context"], [])
         shards = announced.get("shards")
         if not (isinstance(shards, list) and len(shards) <= _MAX_SHARDS
                 and all(isinstance(shard, str) and _SHARD_PREFIX.match(shard) for shard in shards)):
@@ -684,6 +693,7 @@ class KVRedisConnector(KVConnectorBase_V1):
             if entry_id is not None:
                 params = {TRANSFER_PARAM: {"prompt_tokens": len(request.prompt_token_ids or ()),
                                            "entry": entry_id, "engine": self._engine_description(),
+                                           "context": state.context if state is not None else None,
                                            "shards": list(self._shards)}}
         return req_id in self._loading, params
 

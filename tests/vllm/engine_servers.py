@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,19 +100,26 @@ class Server:
 
 
 def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any] | None,
-                 single_process: bool = False, tensor_parallel: int = 1) -> Server:
+                 single_process: bool = False, tensor_parallel: int = 1, *, serve: bool = False,
+                 block_size: int = BLOCK_SIZE, max_model_len: int = 2048,
+                 extra_args: Sequence[str] = ()) -> Server:
     """Start an engine. ``single_process`` runs its worker inside the engine core process (one process
     less to start on 2 cores); the engines with the connector keep vLLM's default processes.
-    ``tensor_parallel`` > 1 shards the model over that many worker processes."""
+    ``tensor_parallel`` > 1 shards the model over that many worker processes. ``serve`` starts it as
+    operators do, with ``vllm serve`` (run as ``python -m vllm.entrypoints.cli.main``, the same program as
+    the ``vllm`` console script); ``extra_args`` go on its command line."""
     port = free_port()
     log = folder / f"{name}.log"
     # The engines import the kvredis under test (this checkout), whatever the environment has installed.
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
-            "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--seed", "0",
-            "--enable-prompt-tokens-details"]
+    if serve:
+        args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
+    else:
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    args += ["--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
+             "--max-model-len", str(max_model_len), "--block-size", str(block_size), "--seed", "0",
+             "--enable-prompt-tokens-details", *extra_args]
     if kv_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_config)]
     if single_process:

@@ -1,0 +1,534 @@
+"""``vllm serve`` engines behind ``kvredis proxy``, driven as operators drive them: the ``openai`` client
+(completions and chat, streamed and not) and ``vllm bench serve``.
+
+Every engine runs the configurations vLLM turns on by default or users turn on routinely: prefix caching,
+chunked prefill with a 64-token budget (prompts of several chunks), two LoRA adapters written here with
+weights that change K and V, and a decode KV space of 40 blocks, small enough for several requests in flight
+to preempt each other. A third engine computes alone with the same settings and no connector: every answer
+through the proxy must be its answer, token for token, and the decode's counters must show that the KV came
+from Redis. A fourth engine, a prefill with another block size, shares the decode through a second proxy.
+After every test, no key is left in Redis except those the test left on purpose (and then deleted).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
+
+import openai
+import torch
+from engine_servers import (
+    REPO,
+    Server,
+    counter_delta,
+    kv_transfer_config,
+    prompt_of,
+    start_redis,
+    start_server,
+    wait_counters,
+    wait_ready,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from redis_servers import RedisServer, free_port, wait_until
+
+from kvredis.tinymodel import prompt_text
+
+START_TIMEOUT_S = 600.0  # four engines with LoRA on two cores: 2-4 minutes, more when the VM stalls
+REQUEST_TIMEOUT_S = 300.0
+DECODE_BLOCKS = 40  # x 32 tokens: three 400-token requests fill it
+MAX_MODEL_LEN = 1024
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+"""Turns join with a space: the word-level tokenizer reads each turn's words, so a second turn's prompt
+starts with the first turn's tokens (what lets prefix caching and Redis help a multi-turn chat)."""
+
+
+# -- the deployment --------------------------------------------------------------------------------
+
+
+def write_lora_adapter(folder: Path, model: Path, seed: int, rank: int = 8) -> Path:
+    """A PEFT LoRA adapter for the tiny model whose weights change every layer's K and V projections
+    (so an entry written under it holds other KV than the base model's or another adapter's)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((model / "config.json").read_text())
+    hidden, kv_width = config["hidden_size"], config["num_key_value_heads"] * config["head_dim"]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in ("k_proj", "v_proj"):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.3
+            tensors[f"{name}.lora_B.weight"] = torch.randn(kv_width, rank, generator=generator) * 0.3
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model), "r": rank,
+        "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": ["k_proj", "v_proj"], "inference_mode": True,
+    }))
+    return folder
+
+
+@dataclass
+class Proxy:
+    """A ``kvredis proxy`` process in front of one prefill and one decode engine."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"kvredis proxy exited ({self.process.returncode}):\n{self.log.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def start_proxy(folder: Path, name: str, prefill: Server, decode: Server) -> Proxy:
+    """``kvredis proxy`` as an operator starts it (the environment's console script)."""
+    port = free_port()
+    log = folder / f"{name}.log"
+    command = [str(Path(sys.executable).with_name("kvredis")), "proxy", "--prefill", prefill.url,
+               "--decode", decode.url, "--port", str(port)]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    proxy = Proxy(process, port, log)
+    wait_until(proxy.ready, 60, "kvredis proxy listening")
+    return proxy
+
+
+@dataclass
+class Serving:
+    prefill: Server
+    decode: Server
+    reference: Server
+    other_block_prefill: Server  # block size 64, in front of the same decode through ``other_proxy``
+    proxy: Proxy
+    other_proxy: Proxy
+    redis: RedisServer
+    namespace: str
+    adapters: list[str] = field(default_factory=list)
+
+    def stored_keys(self) -> list[bytes]:
+        client = self.redis.client()
+        try:
+            return sorted(client.scan_iter(match=f"{self.namespace}:*", count=1000))
+        finally:
+            client.close()
+
+    def assert_no_keys(self, timeout_s: float = 30.0) -> None:
+        """No key is left (unused announced entries are deleted in the background: wait, briefly)."""
+        deadline = time.monotonic() + timeout_s
+        while self.stored_keys():
+            assert time.monotonic() < deadline, f"keys left in Redis: {self.stored_keys()}"
+            time.sleep(0.05)
+
+    def client(self, server: Server | Proxy) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S,
+                             max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def serving(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    folder = tmp_path_factory.mktemp("serving")
+    redis_server = start_redis()
+    namespace = "t-serve-" + uuid.uuid4().hex[:10]
+    adapters = {name: write_lora_adapter(folder / f"lora-{name}", tiny_model, seed)
+                for name, seed in (("a", 11), ("b", 12))}
+    template = folder / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    routine = ["--enable-prefix-caching", "--max-num-batched-tokens", "64", "--chat-template", str(template),
+               "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+               "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+
+    def kv_config(role: str) -> dict[str, Any]:
+        return kv_transfer_config(role, redis_server.url, namespace)
+
+    engines = [
+        start_server("prefill", tiny_model, folder, kv_config("kv_producer"), serve=True,
+                     max_model_len=MAX_MODEL_LEN, extra_args=routine),
+        start_server("decode", tiny_model, folder, kv_config("kv_consumer"), serve=True,
+                     max_model_len=MAX_MODEL_LEN,
+                     extra_args=[*routine, "--num-gpu-blocks-override", str(DECODE_BLOCKS)]),
+        start_server("reference", tiny_model, folder, None, single_process=True, serve=True,
+                     max_model_len=MAX_MODEL_LEN, extra_args=routine),
+        start_server("prefill-64", tiny_model, folder, kv_config("kv_producer"), serve=True, block_size=64,
+                     max_model_len=MAX_MODEL_LEN, single_process=True),
+    ]
+    proxies: list[Proxy] = []
+    try:
+        wait_ready(engines, START_TIMEOUT_S)
+        prefill, decode, reference, other = engines
+        proxies += [start_proxy(folder, "proxy", prefill, decode),
+                    start_proxy(folder, "proxy-64", other, decode)]
+        yield Serving(prefill, decode, reference, other, proxies[0], proxies[1], redis_server, namespace,
+                      sorted(adapters))
+    finally:
+        for process in (*proxies, *engines):
+            process.stop()
+        redis_server.__exit__(None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def clean_slate(serving: Serving) -> Iterator[None]:
+    """A failed test's keys must not fail the next one."""
+    yield
+    client = serving.redis.client()
+    try:
+        leftover = serving.stored_keys()
+        if leftover:
+            client.delete(*leftover)
+    finally:
+        client.close()
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+
+def complete(serving: Serving, where: Server | Proxy, prompt: list[int], max_tokens: int = 8, *,
+             model: str | None = None, stream: bool = False, **extra: Any) -> list[int]:
+    """A greedy completion's generated token IDs, through the ``openai`` client."""
+    body = {"ignore_eos": True, "return_token_ids": True, **extra}
+    created = serving.client(where).completions.create(
+        model=model or serving.reference.model, prompt=prompt_text(prompt), max_tokens=max_tokens,
+        temperature=0.0, stream=stream, extra_body=body)
+    if stream:
+        tokens: list[int] = []
+        for chunk in created:
+            for choice in chunk.choices:
+                tokens += (choice.model_extra or {}).get("token_ids") or []
+        return tokens
+    return list(created.choices[0].model_extra["token_ids"])
+
+
+def chat(serving: Serving, where: Server | Proxy, messages: list[dict[str, str]], max_tokens: int = 8, *,
+         stream: bool = True) -> str:
+    created = serving.client(where).chat.completions.create(
+        model=serving.reference.model, messages=messages, max_tokens=max_tokens, temperature=0.0,
+        stream=stream, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    if stream:
+        return "".join(chunk.choices[0].delta.content or "" for chunk in created if chunk.choices)
+    return created.choices[0].message.content or ""
+
+
+def prefill_only(serving: Serving, prompt: list[int], *, model: str | None = None, **extra: Any) -> Any:
+    """What the proxy sends to the prefill, and then nothing: a client that went away before its decode.
+    Returns the answer's kv_transfer_params (the entry is written once the prefill has answered)."""
+    answer = serving.client(serving.prefill).completions.create(
+        model=model or serving.reference.model, prompt=prompt_text(prompt), max_tokens=1, temperature=0.0,
+        extra_body={"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}, **extra})
+    return answer.model_extra["kv_transfer_params"]
+
+
+def entry_written(serving: Serving, count: int) -> None:
+    wait_until(lambda: len([key for key in serving.stored_keys() if key.endswith(b":q")]) >= count, 60,
+               f"{count} entries written by the prefill")
+
+
+def metric(server: Server, name: str) -> float:
+    """A vLLM metric from ``/metrics``, summed over its label sets."""
+    import requests
+
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name)
+
+
+def loaded(serving: Serving, before: dict[str, float], requests: int) -> dict[str, int]:
+    """The decode's counters once ``requests`` more loads are reported (vLLM publishes them per step)."""
+    return wait_counters(serving.decode, before, {"loaded_requests": requests}, timeout_s=30)
+
+
+# -- answers through the proxy are the engine's own -------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_through_the_proxy_match_the_engine_alone(serving: Serving, stream: bool) -> None:
+    """Prompts of one to many 64-token prefill chunks, k blocks + 1 among them, each loaded from Redis."""
+    prompts = [prompt_of(length, seed=100 + length + stream) for length in (20, 33, 65, 200, 257, 700)]
+    before = serving.decode.counters()
+    for prompt in prompts:
+        want = complete(serving, serving.reference, prompt)
+        got = complete(serving, serving.proxy, prompt, stream=stream)
+        assert got == want, f"{len(prompt)} tokens"
+    delta = loaded(serving, before, len(prompts))
+    assert delta.get("loaded_requests") == len(prompts), delta
+    assert delta.get("loaded_tokens") == sum(len(p) - 1 for p in prompts), delta
+    assert "load_failures" not in delta
+    serving.assert_no_keys()
+
+
+def test_prefix_caching_on_both_sides(serving: Serving) -> None:
+    """The same prompt twice (9 blocks + 1 token: the decode's own prefix cache covers all it could load
+    the second time), and prompts that share a prefix: right answers, and the announced entry the decode
+    does not need is deleted at once, not left to its TTL."""
+    prompt = prompt_of(9 * 32 + 1, seed=300)
+    sharing = [prompt[:160] + prompt_of(90, seed=301), prompt[:160] + prompt_of(130, seed=302)]
+    want = [complete(serving, serving.reference, p) for p in (prompt, *sharing)]
+    before = serving.decode.counters()
+    assert complete(serving, serving.proxy, prompt) == want[0]
+    assert complete(serving, serving.proxy, prompt) == want[0]
+    for request, expected in zip(sharing, want[1:], strict=True):
+        assert complete(serving, serving.proxy, request) == expected
+    delta = wait_counters(serving.decode, before, {"loaded_requests": 3, "discarded_entries": 1},
+                          timeout_s=30)
+    # First sight of the prompt: loaded. Second: all 288 loadable tokens are in the decode's prefix cache,
+    # so its entry is discarded. The sharing prompts: their first 5 blocks are local, the rest loaded.
+    assert delta.get("loaded_requests") == 3 and delta.get("discarded_entries") == 1, delta
+    assert delta.get("loaded_tokens") == 288 + (249 - 160) + (289 - 160), delta
+    serving.assert_no_keys()
+
+
+def test_a_streamed_multi_turn_chat(serving: Serving) -> None:
+    """The second turn's prompt starts with the first turn and its answer: the decode has that prefix
+    cached, loads the rest, and answers as the engine alone does."""
+    first = [{"role": "user", "content": prompt_text(prompt_of(150, seed=400))}]
+    before = serving.decode.counters()
+    answer = chat(serving, serving.proxy, first)
+    assert answer == chat(serving, serving.reference, first, stream=False)
+    second = [*first, {"role": "assistant", "content": answer},
+              {"role": "user", "content": prompt_text(prompt_of(120, seed=401))}]
+    assert chat(serving, serving.proxy, second) == chat(serving, serving.reference, second, stream=False)
+    delta = loaded(serving, before, 2)
+    assert delta.get("loaded_requests") == 2 and "load_failures" not in delta, delta
+    serving.assert_no_keys()
+
+
+# -- what decides an entry: the adapter, the tenant ------------------------------------------------
+
+
+def test_two_lora_adapters_each_get_their_own_answer(serving: Serving) -> None:
+    """Same prompt for the base model and both adapters, interleaved, with an entry left by adapter A's
+    client that went away: every request gets its own adapter's answer, loaded from its own entry."""
+    prompt = prompt_of(130, seed=500)
+    models = [serving.reference.model, *serving.adapters]
+    want = {model: complete(serving, serving.reference, prompt, model=model) for model in models}
+    assert len({tuple(tokens) for tokens in want.values()}) == 3, "the adapters must change the answer"
+    prefill_only(serving, prompt, model="a")
+    entry_written(serving, 1)
+    left = serving.stored_keys()
+    before = serving.decode.counters()
+    for model in ("b", serving.reference.model, "a", "b", "a"):
+        assert complete(serving, serving.proxy, prompt, model=model) == want[model], model
+    delta = loaded(serving, before, 5)
+    assert delta.get("loaded_requests") == 5 and "load_failures" not in delta, delta
+    wait_until(lambda: serving.stored_keys() == left, 30, "only the abandoned entry left")
+    client = serving.redis.client()
+    try:
+        assert all(client.pttl(key) > 0 for key in left)  # it expires on its own
+        client.delete(*left)
+    finally:
+        client.close()
+
+
+def test_cache_salt_keeps_tenants_apart(serving: Serving) -> None:
+    """An entry written under one salt is never loaded under another or under none, even when a request
+    carries that entry's announcement (the worst a proxy could do), and no such request waits for it."""
+    prompt = prompt_of(100, seed=600)
+    want = complete(serving, serving.reference, prompt)
+    params_a = prefill_only(serving, prompt, cache_salt="tenant-a")
+    entry_written(serving, 1)
+    left = serving.stored_keys()
+    before = serving.decode.counters()
+    started = time.monotonic()
+    for salt in (None, "tenant-b"):
+        extra = {"cache_salt": salt} if salt else {}
+        assert complete(serving, serving.decode, prompt, kv_transfer_params=params_a, **extra) == want
+    assert time.monotonic() - started < 120.0, "a request waited for another tenant's entry"
+    delta = wait_counters(serving.decode, before, {"skipped_requests": 2}, timeout_s=30)
+    assert delta.get("skipped_requests") == 2 and "loaded_requests" not in delta, delta
+    assert serving.stored_keys() == left
+    # Through the proxy, tenant B gets its own entry, not A's.
+    assert complete(serving, serving.proxy, prompt, cache_salt="tenant-b") == want
+    assert loaded(serving, before, 1).get("loaded_requests") == 1
+    assert serving.stored_keys() == left
+    # Tenant A's own decode takes A's entry: all of it (nothing of A's is in the decode's prefix cache).
+    got = complete(serving, serving.decode, prompt, kv_transfer_params=params_a, cache_salt="tenant-a")
+    assert got == want
+    delta = loaded(serving, before, 2)
+    assert delta.get("loaded_requests") == 2, delta
+    serving.assert_no_keys()
+
+
+# -- aborts, preemption -----------------------------------------------------------------------------
+
+
+def test_a_client_gone_between_prefill_and_decode_costs_no_one_else(serving: Serving) -> None:
+    """Its entry stays until its TTL; the next request for the same prompt loads its own."""
+    prompt = prompt_of(180, seed=700)
+    want = complete(serving, serving.reference, prompt)
+    prefill_only(serving, prompt)
+    entry_written(serving, 1)
+    left = serving.stored_keys()
+    before = serving.decode.counters()
+    assert complete(serving, serving.proxy, prompt) == want
+    assert loaded(serving, before, 1).get("loaded_requests") == 1
+    wait_until(lambda: serving.stored_keys() == left, 30, "only the abandoned entry left")
+    client = serving.redis.client()
+    try:
+        assert all(client.pttl(key) > 0 for key in left)
+        client.delete(*left)
+    finally:
+        client.close()
+
+
+def _send_and_hang_up(url: str, body: dict[str, Any], after_s: float) -> socket.socket:
+    """POST a request; ``after_s`` later, close the connection without reading the answer (``after_s``
+    None: return the open connection, for the caller to close)."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    time.sleep(after_s)
+    return sock
+
+
+def _request_body(serving: Serving, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {"model": serving.reference.model, "prompt": prompt_text(prompt), "max_tokens": 64,
+            "temperature": 0.0, "ignore_eos": True, "stream": True, **extra}
+
+
+def _decode_idle(serving: Serving) -> None:
+    """No request in the decode, none waiting, and every KV block free again."""
+    def idle() -> bool:
+        return (metric(serving.decode, "vllm:num_requests_running") == 0
+                and metric(serving.decode, "vllm:num_requests_waiting") == 0
+                and metric(serving.decode, "vllm:kv_cache_usage_perc") == 0.0)
+    wait_until(idle, 60, "decode idle with every block free")
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.3, 1.0])
+def test_a_client_hanging_up_on_the_proxy_leaves_nothing_behind(serving: Serving, after_s: float) -> None:
+    """Clients that hang up on the proxy during the prefill, between prefill and decode, or during the
+    decode: the decode still takes the entry (the proxy finds the client gone when it relays the first
+    bytes, and drops the decode), no key is left, no block is held, and the next answer is right."""
+    prompt = prompt_of(900, seed=800 + int(after_s * 10))
+    _send_and_hang_up(serving.proxy.url, _request_body(serving, prompt), after_s).close()
+    serving.assert_no_keys(timeout_s=60)
+    _decode_idle(serving)
+    followup = prompt_of(400, seed=850 + int(after_s * 10))
+    assert complete(serving, serving.proxy, followup) == complete(serving, serving.reference, followup)
+    serving.assert_no_keys()
+
+
+def test_a_request_aborted_while_its_load_is_in_flight(serving: Serving) -> None:
+    """The decode's load is waiting for its entry when the client hangs up: vLLM aborts the request, the
+    connector holds its blocks until the load is over, the entry is taken when it lands, and nothing is
+    left: no key, no block."""
+    prompt = prompt_of(700, seed=870)
+    params = prefill_only(serving, prompt)
+    entry_written(serving, 1)
+    client = serving.redis.client()
+    try:
+        (queue,) = [key for key in serving.stored_keys() if key.endswith(b":q")]
+        client.rename(queue, queue + b":late")  # the entry is "still being written"
+        before = serving.decode.counters()
+        connection = _send_and_hang_up(serving.decode.url, _request_body(serving, prompt,
+                                                                         kv_transfer_params=params), 0.0)
+        wait_until(lambda: metric(serving.decode, "vllm:num_requests_waiting") == 1, 60,
+                   "the decode waiting for its KV")
+        connection.close()
+        wait_until(lambda: metric(serving.decode, "vllm:num_requests_waiting") == 0, 60, "request aborted")
+        client.rename(queue + b":late", queue)  # the write lands; the load in flight takes it
+    finally:
+        client.close()
+    serving.assert_no_keys(timeout_s=60)
+    _decode_idle(serving)
+    delta = counter_delta(before, serving.decode.counters())
+    assert "discarded_entries" not in delta, delta
+    followup = prompt_of(400, seed=871)
+    assert complete(serving, serving.proxy, followup) == complete(serving, serving.reference, followup)
+    serving.assert_no_keys()
+
+
+def test_decode_preemption_while_loads_are_in_flight(serving: Serving) -> None:
+    """Eight requests at once whose answers outgrow a decode KV space of 40 blocks: the decode preempts
+    requests it loaded (and recomputes them), answers stay the engine's own, no block or key is left."""
+    prompts = [prompt_of(100 + 4 * i, seed=900 + i) for i in range(8)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        want = list(pool.map(lambda p: complete(serving, serving.reference, p, max_tokens=300), prompts))
+    preempted = metric(serving.decode, "vllm:num_preemptions_total")
+    before = serving.decode.counters()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: complete(serving, serving.proxy, p, max_tokens=300), prompts))
+    assert got == want
+    assert metric(serving.decode, "vllm:num_preemptions_total") > preempted, "nothing was preempted"
+    delta = loaded(serving, before, len(prompts))
+    assert delta.get("loaded_requests") == len(prompts) and "load_failures" not in delta, delta
+    serving.assert_no_keys()
+    _decode_idle(serving)
+
+
+# -- engines configured differently ----------------------------------------------------------------
+
+
+def test_a_prefill_with_another_block_size_is_named_not_waited_on(serving: Serving) -> None:
+    """Prefill block size 64, decode 32: right answers at once (the decode's pop bound is 120 s here; a
+    request that waited for it would take that long), one warning naming the difference, nothing left."""
+    prompts = [prompt_of(length, seed=1000 + length) for length in (70, 200, 333)]
+    want = [complete(serving, serving.reference, p) for p in prompts]
+    before = serving.decode.counters()
+    started = time.monotonic()
+    got = [complete(serving, serving.other_proxy, p) for p in prompts]
+    elapsed = time.monotonic() - started
+    assert got == want
+    assert elapsed < 120.0, f"the decode waited for entries it cannot use ({elapsed:.0f} s)"
+    delta = wait_counters(serving.decode, before, {"skipped_requests": len(prompts)}, timeout_s=30)
+    assert delta.get("skipped_requests") == len(prompts) and "loaded_requests" not in delta, delta
+    warnings = [line for line in serving.decode.log_text().splitlines() if "block size 64" in line]
+    assert len(warnings) == 1, warnings
+    assert "32" in warnings[0]
+    serving.assert_no_keys()
+
+
+# -- vLLM's own load generator ---------------------------------------------------------------------
+
+
+def test_vllm_bench_serve_through_the_proxy(serving: Serving, tmp_path: Path) -> None:
+    """24 random prompts, 4 at a time: no failed request, every decode loaded, nothing left in Redis."""
+    before = serving.decode.counters()
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+               "--base-url", serving.proxy.url, "--endpoint", "/v1/completions",
+               "--model", serving.reference.model, "--tokenizer", serving.reference.model,
+               "--dataset-name", "random", "--random-input-len", "160", "--random-output-len", "8",
+               "--num-prompts", "24", "--max-concurrency", "4", "--ignore-eos", "--seed", "0",
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 24 and result.get("failed", 0) == 0, result.get("errors")
+    # The benchmark's warm-up request goes through the proxy too.
+    delta = loaded(serving, before, 24)
+    assert delta.get("loaded_requests", 0) >= 24 and "load_failures" not in delta, delta
+    serving.assert_no_keys()
