@@ -25,19 +25,17 @@ pytest.importorskip("vllm.version")
 
 from engine_servers import TEST_TIMEOUT_ENV
 
-from kvredis.stack import (
-    RunningStack,
-    StackOptions,
+from kvredis.demo import (
     _connection,
     _kvredis_metrics,
     _post_json,
     _purge,
     _stream_completion,
     demo_requests,
-    group_alive,
-    open_stack,
     parse_samples,
 )
+from kvredis.stack import RunningStack, StackOptions, open_stack
+from kvredis.supervisor import group_alive
 from kvredis.tinymodel import prompt_text
 
 # Four engines start in about two minutes on two cores (each takes 30-40 s alone); the bound leaves room for a
@@ -70,7 +68,7 @@ def scaled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSt
             patch.setenv(name, value)
         with open_stack(options, command="demo", out=sys.stderr) as running:
             yield running
-            pids = [child.pid for child in running.stack.children]
+            pids = [child.pid for child in running.supervisor.children]
     # Stopped: every engine's process group (API server, engine core, workers) is gone.
     assert not [pid for pid in pids if group_alive(pid)]
 
@@ -117,7 +115,7 @@ def _keys(running: RunningStack) -> list[str]:
 def test_two_prefill_two_decode_engines_answer_correctly(scaled_stack: RunningStack) -> None:
     running = scaled_stack
     assert len(running.prefill_urls) == 2 and len(running.decode_urls) == 2
-    assert [child.spec.role for child in running.stack.children if child.spec.role != "redis"] == [
+    assert [child.spec.role for child in running.supervisor.children if child.spec.role != "redis"] == [
         "prefill-1", "prefill-2", "decode-1", "decode-2", "proxy",
     ]
     requests = demo_requests(REQUESTS, MAX_TOKENS, seed=7)
@@ -139,7 +137,7 @@ def test_two_prefill_two_decode_engines_answer_correctly(scaled_stack: RunningSt
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         results = list(pool.map(through_proxy, prompts))
     took = time.monotonic() - began
-    running.stack.check()
+    running.supervisor.check()
 
     # The prefills count a stored entry when the background write ends, possibly after the decode took it.
     deadline = time.monotonic() + 10.0

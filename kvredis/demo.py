@@ -1,0 +1,360 @@
+"""``kvredis demo``: the stack, a few completions through its proxy, each checked, a table, stop.
+
+The demo sends completions through the proxy and checks every answer against the prefill engine's own answer
+for the same request (computed there alone, without disaggregation), and that every decode took its prompt's
+KV cache from Redis. The KV bytes and transfer times it shows are kvredis's own Prometheus counters, read
+from each engine's ``/metrics`` (see :mod:`kvredis.stack` for why the engines run with
+``PROMETHEUS_MULTIPROC_DIR``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import urlsplit
+
+from kvredis.errors import KVRedisError, StackError
+from kvredis.stack import RunningStack, StackOptions, open_stack
+from kvredis.supervisor import StopRequested, stop_signals
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    """One demo prompt: token IDs (the tiny tokenizer maps ``t<N>`` to N) and how many tokens to generate."""
+
+    token_ids: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass
+class DemoResult:
+    """What one request through the proxy did and how its answer compared."""
+
+    prompt_tokens: int
+    cached_tokens: int | None
+    kv_bytes: float
+    store_s: float | None
+    load_s: float | None
+    loaded: float
+    misses: float
+    ttft_s: float
+    answer: str
+    reference: str = ""
+    reference_cached: int | None = None
+
+    @property
+    def matched(self) -> bool:
+        """The disaggregated answer equals the one the prefill engine computed alone."""
+        return bool(self.answer) and self.answer == self.reference
+
+    @property
+    def reference_alone(self) -> bool:
+        """The reference answer was computed from scratch (no cached prompt token)."""
+        return self.reference_cached == 0
+
+    @property
+    def from_redis(self) -> bool:
+        """The decode took exactly one entry from Redis, missed none, and reused all but the last token."""
+        return self.loaded == 1 and self.misses == 0 and self.cached_tokens == self.prompt_tokens - 1
+
+
+DEMO_LENGTHS = (12, 31, 32, 75, 200, 480)
+"""Prompt lengths: inside one block, one short of a block, exactly one, several, many (block size 32)."""
+
+
+def demo_requests(count: int, max_tokens: int, seed: int = 0) -> list[DemoRequest]:
+    """``count`` prompts of seeded random tokens, of the :data:`DEMO_LENGTHS` (cycled)."""
+    rng = random.Random(seed)
+    requests = []
+    for index in range(count):
+        length = DEMO_LENGTHS[index % len(DEMO_LENGTHS)] + 7 * (index // len(DEMO_LENGTHS))
+        # Tokens 4.. are the tiny vocabulary's words (0-3 are special).
+        requests.append(DemoRequest(tuple(rng.randrange(4, 1024) for _ in range(length)), max_tokens))
+    return requests
+
+
+def demo(options: StackOptions, count: int = 6, max_tokens: int = 16, out: TextIO | None = None) -> int:
+    """Start the stack, run ``count`` completions through the proxy, check and tabulate them, stop."""
+    from kvredis.tinymodel import prompt_text
+
+    out = out if out is not None else sys.stderr
+    begun = time.monotonic()
+    if options.model:
+        raise StackError("kvredis demo runs on the tiny local model only (its prompts are the tiny "
+                         "tokenizer's words); use kvredis up for another model")
+    requests = demo_requests(count, max_tokens)
+    results: list[DemoResult] = []
+    log_dir: Path | None = None
+    try:
+        with stop_signals(out), open_stack(options, command="demo", out=out) as running:
+            log_dir = running.log_dir
+            print(running.describe(example=False), file=out, flush=True)
+            print(f"stack up after {time.monotonic() - begun:.1f} s; sending {count} requests through the "
+                  f"proxy at {running.proxy_url}", file=out, flush=True)
+            for request in _progress(requests, "disaggregated", out):
+                running.supervisor.check()
+                results.append(_run_disaggregated(running, request, prompt_text(list(request.token_ids))))
+            for request, result in zip(_progress(requests, "reference", out), results, strict=True):
+                running.supervisor.check()
+                result.reference, result.reference_cached = _run_reference(
+                    running, request, prompt_text(list(request.token_ids)))
+            _purge(running)
+    except StopRequested as stop:
+        print(f"{stop}: demo interrupted, stack stopped", file=out, flush=True)
+        return 128 + stop.signum
+    print(format_table(results))
+    matched = sum(result.matched for result in results)
+    from_redis = sum(result.from_redis for result in results)
+    moved = sum(result.kv_bytes for result in results)
+    alone = sum(result.reference_alone for result in results)
+    print(f"\n{matched}/{len(results)} answers matched the prefill engine's own answer (computed there "
+          f"alone, no disaggregation, temperature 0; {alone}/{len(results)} with no cached prompt token)")
+    print(f"{from_redis}/{len(results)} decodes loaded their prompt's KV from Redis "
+          f"({_size(moved)} in all)")
+    print(f"demo took {time.monotonic() - begun:.1f} s")
+    ok = len(results) == matched == from_redis == alone
+    if not ok:
+        print(f"FAILED; the logs are in {log_dir}", file=out)
+    return 0 if ok else 1
+
+
+def _progress(items: Sequence[DemoRequest], what: str, out: TextIO) -> Iterator[DemoRequest]:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional (kvredis[bench]); vLLM installs it
+        for index, item in enumerate(items, 1):
+            print(f"{what} {index}/{len(items)}", file=out, flush=True)
+            yield item
+        return
+    yield from tqdm(items, desc=what, unit="req", file=out, leave=True)
+
+
+def _run_disaggregated(running: RunningStack, request: DemoRequest, prompt: str) -> DemoResult:
+    decode_before = _all_kvredis_metrics(running.decode_urls, running.namespace)
+    prefill_before = _all_kvredis_metrics(running.prefill_urls, running.namespace)
+    body = {
+        "model": running.model, "prompt": prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    answer, usage, ttft_s = _stream_completion(running.proxy_url, body)
+    decode = _delta(_all_kvredis_metrics(running.decode_urls, running.namespace), decode_before)
+    # The prefill writes to Redis on a background thread and counts when the write ends, which can be
+    # after the decode took the entry; wait (bounded) for the count.
+    deadline = time.monotonic() + 5.0
+    while True:
+        prefill = _delta(_all_kvredis_metrics(running.prefill_urls, running.namespace), prefill_before)
+        if prefill.get("kvredis_entries_stored_total", 0) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    details = usage.get("prompt_tokens_details") or {}
+    return DemoResult(
+        prompt_tokens=int(usage.get("prompt_tokens", -1)),
+        cached_tokens=details.get("cached_tokens"),
+        kv_bytes=decode.get('kvredis_bytes_total{direction="loaded"}', 0.0),
+        store_s=prefill.get("kvredis_store_seconds_sum"),
+        load_s=decode.get("kvredis_load_seconds_sum"),
+        loaded=decode.get("kvredis_entries_loaded_total", 0.0),
+        misses=sum(value for name, value in decode.items() if name.startswith("kvredis_misses_total")),
+        ttft_s=ttft_s,
+        answer=answer,
+    )
+
+
+def _run_reference(running: RunningStack, request: DemoRequest, prompt: str) -> tuple[str, int | None]:
+    """The prefill engine's answer computed there alone: no proxy, no transfer, no prefix-cache reuse."""
+    body = {
+        "model": running.model, "prompt": prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
+        "ignore_eos": True,
+        # A fresh salt keeps vLLM's prefix cache from reusing the blocks of the disaggregated run: the
+        # reference computes every token itself. (The producer still writes the prompt to Redis; the demo
+        # purges its namespace at the end.)
+        "cache_salt": uuid.uuid4().hex,
+    }
+    answer = _post_json(running.prefill_url, "/v1/completions", body)
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    return str(answer["choices"][0]["text"]), details.get("cached_tokens")
+
+
+def _purge(running: RunningStack) -> None:
+    """Delete what the demo left in its namespace (the reference requests' entries)."""
+    from kvredis.client import RedisStore
+    from kvredis.config import KVRedisConfig
+
+    config = KVRedisConfig.from_env(overrides={"url": running.redis_url, "namespace": running.namespace})
+    store = RedisStore(config)
+    try:
+        keys = list(store.scan(f"{config.namespace}:*"))
+        store.delete(keys)
+    except KVRedisError as exc:
+        print(f"warning: could not purge namespace {config.namespace!r}: {exc}", file=sys.stderr)
+    finally:
+        store.close()
+
+
+_REQUEST_TIMEOUT_S = 120.0
+
+
+def _connection(base_url: str, timeout_s: float = _REQUEST_TIMEOUT_S) -> http.client.HTTPConnection:
+    parts = urlsplit(base_url)
+    return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout_s)
+
+
+def _post_json(base_url: str, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    connection = _connection(base_url)
+    try:
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        raw = response.read()
+    except (OSError, http.client.HTTPException) as exc:
+        raise StackError(f"POST {base_url}{path} failed: {exc}") from exc
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise StackError(f"POST {base_url}{path} answered {response.status}: {raw.decode(errors='replace')}")
+    answer = json.loads(raw)
+    if not isinstance(answer, dict):
+        raise StackError(f"POST {base_url}{path} answered {raw[:200]!r}")
+    return answer
+
+
+def _stream_completion(base_url: str, body: Mapping[str, Any]) -> tuple[str, dict[str, Any], float]:
+    """Text, usage and time to the first generated text of a streamed completion."""
+    connection = _connection(base_url)
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    first: float | None = None
+    started = time.perf_counter()
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            detail = response.read().decode(errors="replace")
+            raise StackError(f"the proxy answered {response.status}: {detail}")
+        while line := response.readline():
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise StackError(f"the proxy's stream ended with an error: {event['error']}")
+            for choice in event.get("choices") or ():
+                if choice.get("text"):
+                    if first is None:
+                        first = time.perf_counter() - started
+                    text.append(choice["text"])
+            if event.get("usage"):
+                usage = event["usage"]
+        # Read to the end of the chunked body: closing before the last chunk makes the proxy log a client
+        # that went away mid-stream.
+        response.read()
+    except (OSError, http.client.HTTPException) as exc:
+        raise StackError(f"streaming from the proxy at {base_url} failed: {exc}") from exc
+    finally:
+        connection.close()
+    return "".join(text), usage, first if first is not None else time.perf_counter() - started
+
+
+def _kvredis_metrics(base_url: str, namespace: str) -> dict[str, float]:
+    """kvredis's Prometheus samples of ``namespace`` on an engine's ``/metrics``, keyed by name and labels."""
+    connection = _connection(base_url, 10.0)
+    try:
+        connection.request("GET", "/metrics")
+        raw = connection.getresponse().read().decode("utf-8", errors="replace")
+    except (OSError, http.client.HTTPException) as exc:
+        raise StackError(f"GET {base_url}/metrics failed: {exc}") from exc
+    finally:
+        connection.close()
+    return parse_samples(raw, "kvredis_", {"namespace": namespace})
+
+
+def _all_kvredis_metrics(base_urls: Sequence[str], namespace: str) -> dict[str, float]:
+    """:func:`_kvredis_metrics` summed over several engines (the demo sends one request at a time)."""
+    total: dict[str, float] = {}
+    for base_url in base_urls:
+        for name, value in _kvredis_metrics(base_url, namespace).items():
+            total[name] = total.get(name, 0.0) + value
+    return total
+
+
+def parse_samples(text: str, prefix: str, match: Mapping[str, str]) -> dict[str, float]:
+    """Samples of Prometheus text whose name starts with ``prefix`` and whose labels include ``match``.
+
+    Keys are the name plus the remaining labels, sorted: ``kvredis_bytes_total{direction="loaded"}``.
+    """
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, label_text = head.partition("{")
+        labels = dict(_labels(label_text.rstrip("}")))
+        if any(labels.get(key) != wanted for key, wanted in match.items()):
+            continue
+        rest = ",".join(f'{key}="{labels[key]}"' for key in sorted(labels) if key not in match)
+        key = f"{name}{{{rest}}}" if rest else name
+        samples[key] = samples.get(key, 0.0) + float(value)
+    return samples
+
+
+def _labels(text: str) -> Iterator[tuple[str, str]]:
+    # Label values here are namespaces, causes and directions: no quotes, commas or escapes inside.
+    for pair in text.split(","):
+        key, _, value = pair.partition("=")
+        if key:
+            yield key.strip(), value.strip().strip('"')
+
+
+def _delta(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
+    return {name: value - before.get(name, 0.0) for name, value in after.items()}
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _abridged(text: str, words: int = 4) -> str:
+    shown = text.split()
+    return " ".join(shown[:words]) + (" ..." if len(shown) > words else "")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def format_table(results: Sequence[DemoResult]) -> str:
+    """The demo's per-request table."""
+    header = ("#", "prompt tokens", "cached", "KV bytes via Redis", "store ms", "load ms", "TTFT ms",
+              "from Redis", "matched", "answer")
+    rows = [header]
+    for index, result in enumerate(results, 1):
+        rows.append((
+            str(index), str(result.prompt_tokens),
+            "-" if result.cached_tokens is None else str(result.cached_tokens),
+            f"{result.kv_bytes:,.0f}", _ms(result.store_s), _ms(result.load_s), _ms(result.ttft_s),
+            "yes" if result.from_redis else "NO", "yes" if result.matched else "NO", _abridged(result.answer),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.rjust(width) for cell, width in zip(row[:-1], widths, strict=False)) + "  " + row[-1]
+        for row in rows
+    ]
+    notes = (
+        "KV bytes: payload the decode took from Redis (kvredis_bytes_total); store ms: the prefill's write "
+        "(kvredis_store_seconds); load ms: the decode's blocking pop and read, including any wait for the "
+        "write (kvredis_load_seconds); TTFT: first generated text seen by the client through the proxy "
+        "(prefill + transfer + first decode step); cached: prompt tokens the decode did not compute."
+    )
+    return "\n".join([*lines, "", notes])
