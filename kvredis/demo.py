@@ -9,8 +9,7 @@ from each engine's ``/metrics`` (see :mod:`kvredis.stack` for why the engines ru
 
 from __future__ import annotations
 
-import http.client
-import json
+import contextlib
 import random
 import sys
 import time
@@ -19,7 +18,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import urlsplit
 
 from kvredis.errors import KVRedisError, StackError
 from kvredis.stack import RunningStack, StackOptions, open_stack
@@ -106,7 +104,7 @@ def demo(options: StackOptions, count: int = 6, max_tokens: int = 16, out: TextI
                 running.supervisor.check()
                 result.reference, result.reference_cached = _run_reference(
                     running, request, prompt_text(list(request.token_ids)))
-            _purge(running)
+            purge_namespace(running)
     except StopRequested as stop:
         print(f"{stop}: demo interrupted, stack stopped", file=out, flush=True)
         return 128 + stop.signum
@@ -144,7 +142,7 @@ def _run_disaggregated(running: RunningStack, request: DemoRequest, prompt: str)
         "model": running.model, "prompt": prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }
-    answer, usage, ttft_s = _stream_completion(running.proxy_url, body)
+    answer, usage, ttft_s = stream_completion(running.proxy_url, body)
     decode = _delta(_all_kvredis_metrics(running.decode_urls, running.namespace), decode_before)
     # The prefill writes to Redis on a background thread and counts when the write ends, which can be
     # after the decode took the entry; wait (bounded) for the count.
@@ -178,12 +176,12 @@ def _run_reference(running: RunningStack, request: DemoRequest, prompt: str) -> 
         # purges its namespace at the end.)
         "cache_salt": uuid.uuid4().hex,
     }
-    answer = _post_json(running.prefill_url, "/v1/completions", body)
+    answer = post_completion(running.prefill_url, body)
     details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
     return str(answer["choices"][0]["text"]), details.get("cached_tokens")
 
 
-def _purge(running: RunningStack) -> None:
+def purge_namespace(running: RunningStack) -> None:
     """Delete what the demo left in its namespace (the reference requests' entries)."""
     from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
@@ -200,88 +198,105 @@ def _purge(running: RunningStack) -> None:
 
 
 _REQUEST_TIMEOUT_S = 120.0
+_METRICS_TIMEOUT_S = 10.0
+# Fields of the OpenAI completions API; anything else in a request body is vLLM's own (ignore_eos,
+# cache_salt) and travels in extra_body.
+_OPENAI_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "stream", "stream_options"})
 
 
-def _connection(base_url: str, timeout_s: float = _REQUEST_TIMEOUT_S) -> http.client.HTTPConnection:
-    parts = urlsplit(base_url)
-    return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout_s)
-
-
-def _post_json(base_url: str, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    connection = _connection(base_url)
+def _openai() -> Any:
+    """The ``openai`` module, or :class:`StackError` saying how to get it."""
     try:
-        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        raw = response.read()
-    except (OSError, http.client.HTTPException) as exc:
-        raise StackError(f"POST {base_url}{path} failed: {exc}") from exc
+        import openai
+    except ImportError as exc:
+        raise StackError("kvredis demo needs the openai client, which vLLM installs; elsewhere: "
+                         "pip install 'kvredis[demo]'") from exc
+    return openai
+
+
+def _client(base_url: str, timeout_s: float = _REQUEST_TIMEOUT_S) -> Any:
+    """An OpenAI client of the server at ``base_url`` (no retries, no proxy from the environment)."""
+    openai = _openai()
+    return openai.OpenAI(
+        base_url=base_url.rstrip("/") + "/v1", api_key="EMPTY", timeout=timeout_s,
+        # Nothing in kvredis retries: a retried completion would hide a failure the demo exists to show.
+        max_retries=0, http_client=openai.DefaultHttpxClient(trust_env=False),
+    )
+
+
+@contextlib.contextmanager
+def _failing_as(what: str) -> Iterator[None]:
+    """Turn the openai client's errors into :class:`StackError` naming ``what`` was asked."""
+    openai = _openai()
+    try:
+        yield
+    except openai.APIStatusError as exc:
+        raise StackError(f"{what} answered {exc.status_code}: {exc.response.text}") from exc
+    except openai.OpenAIError as exc:
+        raise StackError(f"{what} failed: {exc}") from exc
+
+
+def _split(body: Mapping[str, Any]) -> dict[str, Any]:
+    fields = {key: value for key, value in body.items() if key in _OPENAI_FIELDS}
+    extra = {key: value for key, value in body.items() if key not in _OPENAI_FIELDS}
+    return {**fields, "extra_body": extra} if extra else fields
+
+
+def post_completion(base_url: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The answer of a (not streamed) completion ``body`` posted to ``base_url``, as a dict."""
+    client = _client(base_url)
+    try:
+        with _failing_as(f"POST {base_url}/v1/completions"):
+            answer = client.completions.create(**_split(body))
     finally:
-        connection.close()
-    if response.status != 200:
-        raise StackError(f"POST {base_url}{path} answered {response.status}: {raw.decode(errors='replace')}")
-    answer = json.loads(raw)
-    if not isinstance(answer, dict):
-        raise StackError(f"POST {base_url}{path} answered {raw[:200]!r}")
-    return answer
+        client.close()
+    return dict(answer.model_dump())
 
 
-def _stream_completion(base_url: str, body: Mapping[str, Any]) -> tuple[str, dict[str, Any], float]:
+def stream_completion(base_url: str, body: Mapping[str, Any]) -> tuple[str, dict[str, Any], float]:
     """Text, usage and time to the first generated text of a streamed completion."""
-    connection = _connection(base_url)
+    client = _client(base_url)
     text: list[str] = []
     usage: dict[str, Any] = {}
     first: float | None = None
     started = time.perf_counter()
     try:
-        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            detail = response.read().decode(errors="replace")
-            raise StackError(f"the proxy answered {response.status}: {detail}")
-        while line := response.readline():
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                raise StackError(f"the proxy's stream ended with an error: {event['error']}")
-            for choice in event.get("choices") or ():
-                if choice.get("text"):
-                    if first is None:
-                        first = time.perf_counter() - started
-                    text.append(choice["text"])
-            if event.get("usage"):
-                usage = event["usage"]
-        # Read to the end of the chunked body: closing before the last chunk makes the proxy log a client
-        # that went away mid-stream.
-        response.read()
-    except (OSError, http.client.HTTPException) as exc:
-        raise StackError(f"streaming from the proxy at {base_url} failed: {exc}") from exc
+        with _failing_as(f"streaming from {base_url}"), \
+                client.completions.create(**_split({**body, "stream": True})) as stream:
+            for chunk in stream:
+                for choice in chunk.choices or ():
+                    if choice.text:
+                        if first is None:
+                            first = time.perf_counter() - started
+                        text.append(choice.text)
+                if chunk.usage is not None:
+                    usage = dict(chunk.usage.model_dump())
     finally:
-        connection.close()
+        client.close()
     return "".join(text), usage, first if first is not None else time.perf_counter() - started
 
 
-def _kvredis_metrics(base_url: str, namespace: str) -> dict[str, float]:
-    """kvredis's Prometheus samples of ``namespace`` on an engine's ``/metrics``, keyed by name and labels."""
-    connection = _connection(base_url, 10.0)
+def fetch_metrics(base_url: str) -> str:
+    """The Prometheus text an engine serves on ``/metrics``."""
+    client = _client(base_url, _METRICS_TIMEOUT_S)
     try:
-        connection.request("GET", "/metrics")
-        raw = connection.getresponse().read().decode("utf-8", errors="replace")
-    except (OSError, http.client.HTTPException) as exc:
-        raise StackError(f"GET {base_url}/metrics failed: {exc}") from exc
+        with _failing_as(f"GET {base_url}/metrics"):
+            # An absolute URL: /metrics is outside the client's /v1 base.
+            return str(client.get(base_url.rstrip("/") + "/metrics", cast_to=str))
     finally:
-        connection.close()
-    return parse_samples(raw, "kvredis_", {"namespace": namespace})
+        client.close()
+
+
+def kvredis_metrics(base_url: str, namespace: str) -> dict[str, float]:
+    """kvredis's Prometheus samples of ``namespace`` on an engine's ``/metrics``, keyed by name and labels."""
+    return parse_samples(fetch_metrics(base_url), "kvredis_", {"namespace": namespace})
 
 
 def _all_kvredis_metrics(base_urls: Sequence[str], namespace: str) -> dict[str, float]:
-    """:func:`_kvredis_metrics` summed over several engines (the demo sends one request at a time)."""
+    """:func:`kvredis_metrics` summed over several engines (the demo sends one request at a time)."""
     total: dict[str, float] = {}
     for base_url in base_urls:
-        for name, value in _kvredis_metrics(base_url, namespace).items():
+        for name, value in kvredis_metrics(base_url, namespace).items():
             total[name] = total.get(name, 0.0) + value
     return total
 
@@ -289,29 +304,28 @@ def _all_kvredis_metrics(base_urls: Sequence[str], namespace: str) -> dict[str, 
 def parse_samples(text: str, prefix: str, match: Mapping[str, str]) -> dict[str, float]:
     """Samples of Prometheus text whose name starts with ``prefix`` and whose labels include ``match``.
 
-    Keys are the name plus the remaining labels, sorted: ``kvredis_bytes_total{direction="loaded"}``.
+    Keys are the name plus the remaining labels, sorted: ``kvredis_bytes_total{direction="loaded"}``;
+    samples with the same key (one per process of an engine) are summed.
     """
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError as exc:
+        raise StackError("reading the engines' metrics needs prometheus-client, which vLLM installs; "
+                         "elsewhere: pip install 'kvredis[demo]'") from exc
     samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(prefix):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, label_text = head.partition("{")
-        labels = dict(_labels(label_text.rstrip("}")))
-        if any(labels.get(key) != wanted for key, wanted in match.items()):
-            continue
-        rest = ",".join(f'{key}="{labels[key]}"' for key in sorted(labels) if key not in match)
-        key = f"{name}{{{rest}}}" if rest else name
-        samples[key] = samples.get(key, 0.0) + float(value)
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = sample.labels
+                if not sample.name.startswith(prefix) or any(
+                        labels.get(key) != wanted for key, wanted in match.items()):
+                    continue
+                rest = ",".join(f'{key}="{labels[key]}"' for key in sorted(labels) if key not in match)
+                key = f"{sample.name}{{{rest}}}" if rest else sample.name
+                samples[key] = samples.get(key, 0.0) + float(sample.value)
+    except ValueError as exc:
+        raise StackError(f"unreadable Prometheus text: {exc}") from exc
     return samples
-
-
-def _labels(text: str) -> Iterator[tuple[str, str]]:
-    # Label values here are namespaces, causes and directions: no quotes, commas or escapes inside.
-    for pair in text.split(","):
-        key, _, value = pair.partition("=")
-        if key:
-            yield key.strip(), value.strip().strip('"')
 
 
 def _delta(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:

@@ -1,10 +1,27 @@
-"""The demo's parts that need no engine: its requests, the metrics it reads, its table and verdicts."""
+"""The demo's parts that need no engine: its requests, its client and the metrics it reads, its table."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
-from kvredis.demo import DemoResult, demo_requests, format_table, parse_samples
+import pytest
+
+from kvredis.demo import (
+    DemoResult,
+    demo_requests,
+    format_table,
+    kvredis_metrics,
+    parse_samples,
+    post_completion,
+    stream_completion,
+)
+from kvredis.errors import StackError
 
 
 def test_parse_samples_keeps_one_namespace_and_sums_duplicates() -> None:
@@ -47,3 +64,115 @@ def test_table_and_verdicts() -> None:
     assert first.split() == ["1", "12", "11", "65,728", "3.0", "4.0", "100.0", "yes", "yes", "t5", "t6", "t7",
                              "t8", "..."]
     assert second.split()[7:9] == ["NO", "NO"]
+
+
+# -- the demo's client, against a stand-in OpenAI server ------------------------------------------
+
+METRICS = textwrap.dedent("""
+    # HELP kvredis_entries_loaded_total Entries loaded
+    # TYPE kvredis_entries_loaded_total counter
+    kvredis_entries_loaded_total{namespace="demo"} 2.0
+    # HELP kvredis_load_seconds Load time
+    # TYPE kvredis_load_seconds histogram
+    kvredis_load_seconds_bucket{le="+Inf",namespace="demo"} 2.0
+    kvredis_load_seconds_count{namespace="demo"} 2.0
+    kvredis_load_seconds_sum{namespace="demo"} 0.5
+""")
+
+
+class StandIn(http.server.BaseHTTPRequestHandler):
+    """Answers completions the way vLLM's OpenAI server does (streamed or not), and ``/metrics``."""
+
+    bodies: ClassVar[list[dict[str, Any]]] = []
+    fail = False
+
+    def do_GET(self) -> None:
+        self._send(200, "text/plain; version=0.0.4", METRICS.encode())
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
+        if self.fail:
+            self._send(500, "application/json", b'{"error": {"message": "engine died"}}')
+            return
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                 "prompt_tokens_details": {"cached_tokens": 2}}
+        base = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": body["model"]}
+        if not body.get("stream"):
+            answer = {**base, "usage": usage, "kv_transfer_params": {"remote": 1},
+                      "choices": [{"index": 0, "text": "t5 t6", "finish_reason": "length", "logprobs": None}]}
+            self._send(200, "application/json", json.dumps(answer).encode())
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        events = [{**base, "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}]}
+                  for text in ("t5", " t6")]
+        events.append({**base, "choices": [], "usage": usage})
+        for event in events:
+            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            self.wfile.flush()
+            time.sleep(0.01)
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _send(self, status: int, kind: str, raw: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_in() -> Iterator[str]:
+    pytest.importorskip("openai")
+    pytest.importorskip("prometheus_client")
+    StandIn.bodies = []
+    StandIn.fail = False
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_stream_completion_reads_text_usage_and_time_to_first_text(stand_in: str) -> None:
+    body = {"model": "m", "prompt": "t4 t5 t6", "max_tokens": 2, "temperature": 0.0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    text, usage, ttft_s = stream_completion(stand_in, body)
+    assert text == "t5 t6"
+    assert usage["prompt_tokens"] == 3 and usage["prompt_tokens_details"]["cached_tokens"] == 2
+    assert 0 < ttft_s < 10
+    # vLLM's own fields (ignore_eos) reach the server at the top level of the request, like OpenAI's.
+    (sent,) = StandIn.bodies
+    assert sent["stream"] is True and sent["ignore_eos"] is True and sent["max_tokens"] == 2
+    assert sent["stream_options"] == {"include_usage": True}
+
+
+def test_post_completion_returns_the_answer_with_vllms_extra_fields(stand_in: str) -> None:
+    answer = post_completion(stand_in, {"model": "m", "prompt": "t4", "max_tokens": 2, "cache_salt": "s"})
+    assert answer["choices"][0]["text"] == "t5 t6"
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+    assert answer["kv_transfer_params"] == {"remote": 1}
+    assert StandIn.bodies[0]["cache_salt"] == "s"
+
+
+def test_a_failing_server_is_a_stack_error_naming_it_and_nothing_is_retried(stand_in: str) -> None:
+    StandIn.fail = True
+    answered = r"POST http://127.0.0.1:\d+/v1/completions answered 500.*engine died"
+    with pytest.raises(StackError, match=answered):
+        post_completion(stand_in, {"model": "m", "prompt": "t4", "max_tokens": 2})
+    assert len(StandIn.bodies) == 1
+
+
+def test_kvredis_metrics_reads_an_engines_metrics(stand_in: str) -> None:
+    assert kvredis_metrics(stand_in, "demo") == {
+        "kvredis_entries_loaded_total": 2.0,
+        'kvredis_load_seconds_bucket{le="+Inf"}': 2.0,
+        "kvredis_load_seconds_count": 2.0,
+        "kvredis_load_seconds_sum": 0.5,
+    }
