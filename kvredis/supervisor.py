@@ -8,12 +8,20 @@ SIGTERM to each process group (so the processes a child starts get it too), then
 after a grace period. :func:`stop_signals` turns SIGINT and SIGTERM into :class:`StopRequested` so that a
 stop always runs to its end.
 
+Children die with the supervisor, however it dies. Each group is listed with a watchdog process
+(:mod:`kvredis.watchdog`) that holds a pipe from the supervisor and stops every listed group when the pipe
+ends, which it does when the supervisor exits, even by SIGKILL. On Linux each child also gets a
+parent-death signal (``PR_SET_PDEATHSIG``, SIGTERM), set before it runs its command, which covers the
+moment between its start and its listing. The kernel sends that signal when the *thread* that started
+the child ends, so start a supervisor from a thread that outlives it (the main thread).
+
 Nothing here knows about Redis, vLLM or the proxy: :mod:`kvredis.stack` composes those.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import http.client
 import os
 import shlex
@@ -28,12 +36,15 @@ from types import FrameType
 from typing import TextIO
 from urllib.parse import urlsplit
 
-from kvredis.errors import ChildFailed
+from kvredis.errors import ChildFailed, StackError
 
 _POLL_S = 0.2
 _LOG_TAIL_LINES = 30
 # After SIGKILL a process is gone at once; this only bounds waiting for the kernel to say so.
 _KILL_WAIT_S = 5.0
+# How long the watchdog gives the groups of a supervisor that died between SIGTERM and SIGKILL.
+_WATCHDOG_GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class StopRequested(Exception):
@@ -154,6 +165,8 @@ class Supervisor:
         self.out = out if out is not None else sys.stderr
         self.children: list[Child] = []
         self._started: list[list[Child]] = []
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._die_with_parent = _parent_death_signal()
         self.stopped = False
 
     def __enter__(self) -> Supervisor:
@@ -169,6 +182,7 @@ class Supervisor:
     def start(self) -> None:
         """Start every phase and wait for its health checks; on any failure stop what started and raise."""
         try:
+            self._start_watchdog()
             for phase in self.phases:
                 started: list[Child] = []
                 self._started.append(started)
@@ -190,12 +204,13 @@ class Supervisor:
                 # only this process, which then stops the children in order.
                 process = subprocess.Popen(
                     list(spec.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=env, start_new_session=True,
+                    env=env, start_new_session=True, preexec_fn=self._die_with_parent,
                 )
             except OSError as exc:
                 raise child_failed(spec.role, f"cannot run {shlex.join(spec.argv)}: {exc}", None) from exc
         child = Child(spec, process, log_path, time.monotonic())
         self.children.append(child)
+        self._tell_watchdog(f"+{child.pid}")
         self._say(f"started {spec.role} (pid {child.pid}), log {log_path}")
         return child
 
@@ -249,10 +264,11 @@ class Supervisor:
         # their last KV caches to while shutting down.
         for phase in reversed(self._started):
             self._stop_phase(phase)
+        self._stop_watchdog()
 
     def _stop_phase(self, children: Sequence[Child]) -> None:
         for child in children:
-            _signal_group(child.pid, signal.SIGTERM)
+            signal_group(child.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_s
         pending = list(children)
         while pending:
@@ -263,7 +279,7 @@ class Supervisor:
         for child in pending:
             self._say(f"{child.spec.role} (pid {child.pid}) still running {self.stop_grace_s:g} s after "
                       "SIGTERM: killing its process group")
-            _signal_group(child.pid, signal.SIGKILL)
+            signal_group(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + _KILL_WAIT_S
         for child in pending:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -272,15 +288,76 @@ class Supervisor:
                 time.sleep(0.05)
             if child.process.poll() is None or group_alive(child.pid):
                 self._say(f"warning: process group {child.pid} of {child.spec.role} survived SIGKILL")
+        for child in children:
+            if child.process.poll() is not None and not group_alive(child.pid):
+                self._tell_watchdog(f"-{child.pid}")
+
+    def _start_watchdog(self) -> None:
+        try:
+            # A session of its own: a Ctrl-C in the terminal, or a kill of this process's group, leaves the
+            # watchdog to do its work. Its standard input is the pipe whose end it waits for.
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-m", "kvredis.watchdog", f"{_WATCHDOG_GRACE_S:g}"], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+        except OSError as exc:
+            raise StackError(f"cannot start the watchdog that stops the children if this process dies: "
+                             f"{exc}") from exc
+
+    def _tell_watchdog(self, line: str) -> None:
+        watchdog = self._watchdog
+        if watchdog is None or watchdog.stdin is None:
+            return
+        try:
+            watchdog.stdin.write(line.encode() + b"\n")
+            watchdog.stdin.flush()
+        except OSError as exc:
+            self._watchdog = None
+            self._say(f"warning: the watchdog is gone ({exc}); if this process is killed, stop the "
+                      "children's process groups by hand")
+
+    def _stop_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is None:
+            return
+        # End of file: the watchdog stops the groups still listed (none, after a clean stop) and exits.
+        with contextlib.suppress(OSError):
+            if watchdog.stdin is not None:
+                watchdog.stdin.close()
+        try:
+            watchdog.wait(timeout=_WATCHDOG_GRACE_S + _KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            watchdog.kill()
+            watchdog.wait()
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         """(pid, role, URL, log) of every child."""
         return [(str(c.pid), c.spec.role, c.spec.url, str(c.log_path)) for c in self.children]
 
 
-def _signal_group(pgid: int, signum: int) -> None:
+def signal_group(pgid: int, signum: int) -> None:
+    """Send ``signum`` to process group ``pgid``, if it still exists."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signum)
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """On Linux, a ``preexec_fn`` giving the child SIGTERM when this process (the starting thread) ends."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_signal() -> None:
+        # Runs in the child between fork and exec: nothing here may take a lock another thread could hold.
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent died before prctl: no signal will come
+            os._exit(1)
+
+    return set_signal
 
 
 def _exit_status(code: int) -> str:

@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import BOUND_S, assert_all_gone, kvredis, running, started_pids, wait_until
+from processes import (
+    BOUND_S,
+    assert_all_gone,
+    kvredis,
+    running,
+    started_pids,
+    wait_all_gone,
+    wait_until,
+)
 
 from kvredis import stack as stack_module
 from kvredis.stack import StackError, StackOptions, free_ports, open_stack, redis_ping
@@ -77,13 +85,8 @@ def up_args(fake_engine: str, tmp_path: Path) -> list[str]:
             "--log-dir", str(tmp_path / "logs"), "--stop-grace", "10", "--startup-timeout", str(BOUND_S)]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_kvredis_up_stops_every_child_on_a_signal(
-    tmp_path: Path, fake_engine: str, signum: int, reaper: list[subprocess.Popen[str]]
-) -> None:
-    pytest.importorskip("aiohttp")
-    up = kvredis(*up_args(fake_engine, tmp_path))
-    reaper.append(up)
+def wait_up(up: subprocess.Popen[str], log_dir: Path) -> tuple[str, list[int]]:
+    """The proxy's URL once ``kvredis up`` says it is up, and the pids of its children and grandchildren."""
     assert up.stdout is not None
     lines = []
     deadline = time.monotonic() + BOUND_S
@@ -95,15 +98,39 @@ def test_kvredis_up_stops_every_child_on_a_signal(
     assert [row[1] for row in rows] == ["redis", "prefill", "decode", "proxy"] or \
         [row[1] for row in rows] == ["prefill", "decode", "proxy"]
     proxy_url = re.search(r"listens on (http://\S+)", lines[0]).group(1)  # type: ignore[union-attr]
-    assert completion_through(proxy_url)["choices"] == [{"text": "kv_consumer", "index": 0}]
     children = [int(row[0]) for row in rows if int(row[0]) != up.pid]
-    grandchildren = started_pids(tmp_path / "logs")
+    grandchildren = started_pids(log_dir)
     assert len(grandchildren) == 2 and all(running(pid) for pid in children + grandchildren)
+    return proxy_url, children + grandchildren
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_kvredis_up_stops_every_child_on_a_signal(
+    tmp_path: Path, fake_engine: str, signum: int, reaper: list[subprocess.Popen[str]]
+) -> None:
+    pytest.importorskip("aiohttp")
+    up = kvredis(*up_args(fake_engine, tmp_path))
+    reaper.append(up)
+    proxy_url, pids = wait_up(up, tmp_path / "logs")
+    assert completion_through(proxy_url)["choices"] == [{"text": "kv_consumer", "index": 0}]
     up.send_signal(signum)
     _, err = up.communicate(timeout=BOUND_S)
     assert up.returncode == 0, err
     assert f"{signal.Signals(signum).name}: stack stopped" in err
-    assert_all_gone(children + grandchildren)
+    assert_all_gone(pids)
+
+
+def test_kvredis_up_killed_with_sigkill_leaves_no_process_behind(
+    tmp_path: Path, fake_engine: str, reaper: list[subprocess.Popen[str]]
+) -> None:
+    pytest.importorskip("aiohttp")
+    up = kvredis(*up_args(fake_engine, tmp_path))
+    reaper.append(up)
+    _, pids = wait_up(up, tmp_path / "logs")
+    up.kill()
+    up.wait(timeout=BOUND_S)
+    # Redis (when redis-server is on the PATH), both engines with their engine cores, and the proxy.
+    wait_all_gone(pids)
 
 
 def test_kvredis_up_with_a_failing_engine_stops_the_rest_and_names_it(

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from processes import BOUND_S, SERVER, assert_all_gone, grandchild_pid, running
+from processes import (
+    BOUND_S,
+    REPO_ROOT,
+    SERVER,
+    assert_all_gone,
+    grandchild_pid,
+    running,
+    wait_all_gone,
+)
 
 from kvredis.stack import free_ports
 from kvredis.supervisor import ChildFailed, ChildSpec, Supervisor, group_alive, http_ok
@@ -110,3 +120,59 @@ def test_check_reports_a_child_that_died_after_start(tmp_path: Path) -> None:
         child.process.wait(timeout=BOUND_S)
         with pytest.raises(ChildFailed, match="decode failed: exited with signal SIGKILL"):
             supervisor.check()
+
+
+# A supervisor in a process of its own, for killing: it starts a server whose grandchild ignores SIGTERM and
+# one whose grandchild does not, prints "ready", then waits to be killed.
+SUPERVISED = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from kvredis.stack import free_ports
+    from kvredis.supervisor import ChildSpec, Supervisor, http_ok
+    script, log_dir = sys.argv[1], Path(sys.argv[2])
+    specs = []
+    for role, env in (("stubborn", {"IGNORE_TERM": "1"}), ("plain", {})):
+        (port,) = free_ports(1)
+        url = f"http://127.0.0.1:{port}"
+        specs.append(ChildSpec(role, [sys.executable, script, str(port)], url,
+                               lambda url=url: http_ok(url + "/health"), env))
+    supervisor = Supervisor([specs], log_dir, stop_grace_s=30)
+    supervisor.start()
+    print("ready", *(child.pid for child in supervisor.children), flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("kill_group", [False, True], ids=["parent", "parent-group"])
+def test_children_and_grandchildren_die_when_the_supervisor_is_killed(
+    tmp_path: Path, kill_group: bool, reaper: list[subprocess.Popen[str]]
+) -> None:
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISED, str(script), str(tmp_path / "logs")], cwd=REPO_ROOT, text=True,
+        stdout=subprocess.PIPE, start_new_session=True,
+    )
+    reaper.append(parent)
+    assert parent.stdout is not None
+    line = parent.stdout.readline()
+    assert line.startswith("ready"), line
+    children = [int(pid) for pid in line.split()[1:]]
+    grandchildren = [grandchild_pid(tmp_path / "logs" / f"{role}.log") for role in ("stubborn", "plain")]
+    assert all(running(pid) for pid in children + grandchildren)
+    if kill_group:
+        # As a terminal's or a service manager's kill of the whole group would: the watchdog, in a session
+        # of its own, is not in it.
+        os.killpg(parent.pid, signal.SIGKILL)
+    else:
+        parent.kill()
+    parent.wait(timeout=BOUND_S)
+    # The stubborn grandchild ignores SIGTERM: it goes with the watchdog's SIGKILL, 5 s later.
+    wait_all_gone(children + grandchildren)
+    assert not any(group_alive(pid) for pid in children)
+
+
+def test_the_watchdog_stops_the_groups_still_listed_at_end_of_file() -> None:
+    from kvredis.watchdog import watch
+
+    assert watch([b"+10\n", b"+11\n", b"-10\n", b"junk\n", b"+12"]) == {11, 12}
