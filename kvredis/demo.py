@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -109,16 +110,10 @@ def demo(options: StackOptions, count: int = 6, max_tokens: int = 16, out: TextI
         print(f"{stop}: demo interrupted, stack stopped", file=out, flush=True)
         return 128 + stop.signum
     print(format_table(results))
-    matched = sum(result.matched for result in results)
-    from_redis = sum(result.from_redis for result in results)
-    moved = sum(result.kv_bytes for result in results)
-    alone = sum(result.reference_alone for result in results)
-    print(f"\n{matched}/{len(results)} answers matched the prefill engine's own answer (computed there "
-          f"alone, no disaggregation, temperature 0; {alone}/{len(results)} with no cached prompt token)")
-    print(f"{from_redis}/{len(results)} decodes loaded their prompt's KV from Redis "
-          f"({_size(moved)} in all)")
+    print()
+    print(format_summary(results))
     print(f"demo took {time.monotonic() - begun:.1f} s")
-    ok = len(results) == matched == from_redis == alone
+    ok = all(result.matched and result.from_redis and result.reference_alone for result in results)
     if not ok:
         print(f"FAILED; the logs are in {log_dir}", file=out)
     return 0 if ok else 1
@@ -198,6 +193,7 @@ def purge_namespace(running: RunningStack) -> None:
 
 
 _REQUEST_TIMEOUT_S = 120.0
+_NOTES_WIDTH = 110  # the table's notes, wrapped as README.md shows them
 _METRICS_TIMEOUT_S = 10.0
 # Fields of the OpenAI completions API; anything else in a request body is vLLM's own (ignore_eos,
 # cache_salt) and travels in extra_body.
@@ -348,6 +344,19 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
+def format_summary(results: Sequence[DemoResult]) -> str:
+    """The demo's verdict lines under its table."""
+    matched = sum(result.matched for result in results)
+    from_redis = sum(result.from_redis for result in results)
+    moved = sum(result.kv_bytes for result in results)
+    alone = sum(result.reference_alone for result in results)
+    return (
+        f"{matched}/{len(results)} answers matched the prefill engine's own answer (computed there alone, no "
+        f"disaggregation, temperature 0; {alone}/{len(results)} with no cached prompt token)\n"
+        f"{from_redis}/{len(results)} decodes loaded their prompt's KV from Redis ({_size(moved)} in all)"
+    )
+
+
 def format_table(results: Sequence[DemoResult]) -> str:
     """The demo's per-request table."""
     header = ("#", "prompt tokens", "cached", "KV bytes via Redis", "store ms", "load ms", "TTFT ms",
@@ -371,4 +380,4 @@ def format_table(results: Sequence[DemoResult]) -> str:
         "write (kvredis_load_seconds); TTFT: first generated text seen by the client through the proxy "
         "(prefill + transfer + first decode step); cached: prompt tokens the decode did not compute."
     )
-    return "\n".join([*lines, "", notes])
+    return "\n".join([*lines, "", textwrap.fill(notes, _NOTES_WIDTH)])

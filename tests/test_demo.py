@@ -8,6 +8,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from kvredis.demo import (
     DemoResult,
     demo_requests,
+    format_summary,
     format_table,
     kvredis_metrics,
     parse_samples,
@@ -176,3 +178,24 @@ def test_kvredis_metrics_reads_an_engines_metrics(stand_in: str) -> None:
         "kvredis_load_seconds_count": 2.0,
         "kvredis_load_seconds_sum": 0.5,
     }
+
+
+def test_readme_shows_the_demo_output_as_format_table_and_format_summary_print_it() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("#  prompt tokens", 1)[1].split("```", 1)[0]
+    shown = ("#  prompt tokens" + block).rstrip("\n")
+    results = []
+    for line in shown.splitlines()[1:]:
+        if not line:
+            break
+        cells = line.split()
+        prompt, cached, kv_bytes, store_ms, load_ms, ttft_ms, from_redis, matched = cells[1:9]
+        answer = " ".join(cells[9:]).removesuffix(" ...") + (" t1" if cells[-1] == "..." else "")
+        results.append(DemoResult(
+            prompt_tokens=int(prompt), cached_tokens=int(cached), kv_bytes=float(kv_bytes.replace(",", "")),
+            store_s=float(store_ms) / 1000, load_s=float(load_ms) / 1000,
+            loaded=1.0 if from_redis == "yes" else 0.0, misses=0.0, ttft_s=float(ttft_ms) / 1000,
+            answer=answer, reference=answer if matched == "yes" else "", reference_cached=0,
+        ))
+    assert len(results) == 6
+    assert shown == format_table(results) + "\n\n" + format_summary(results)
