@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvredis.errors import KVRedisError, StackError
-from kvredis.stack import RunningStack, StackOptions, open_stack
+from kvredis.stack import RunningStack, StackOptions, open_stack, vllm_installed
 from kvredis.supervisor import StopRequested, stop_signals
 
 
@@ -89,6 +89,11 @@ def demo(options: StackOptions, count: int = 6, max_tokens: int = 16, out: TextI
     if options.model:
         raise StackError("kvredis demo runs on the tiny local model only (its prompts are the tiny "
                          "tokenizer's words); use kvredis up for another model")
+    # Found missing now, not after the engines' long start. vLLM installs both; without vLLM, open_stack says
+    # how to install it.
+    if options.engine_command or vllm_installed():
+        _openai()
+        parse_samples("", "kvredis_", {})
     requests = demo_requests(count, max_tokens)
     results: list[DemoResult] = []
     log_dir: Path | None = None

@@ -166,7 +166,7 @@ class Supervisor:
         self.children: list[Child] = []
         self._started: list[list[Child]] = []
         self._watchdog: subprocess.Popen[bytes] | None = None
-        self._die_with_parent = _parent_death_signal()
+        self._die_with_parent: Callable[[], None] | None = None
         self.stopped = False
 
     def __enter__(self) -> Supervisor:
@@ -181,6 +181,8 @@ class Supervisor:
 
     def start(self) -> None:
         """Start every phase and wait for its health checks; on any failure stop what started and raise."""
+        # Made here, not in __init__: it names this process as the parent.
+        self._die_with_parent = _parent_death_signal()
         try:
             self._start_watchdog()
             for phase in self.phases:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from processes import BOUND_S, REPO_ROOT, kvredis, wait_until
@@ -82,3 +83,13 @@ def test_up_and_demo_take_instance_counts_and_policy() -> None:
             1, 1, "round_robin")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--prefill-instances", "0"])
+
+
+def test_demo_without_the_openai_client_says_so_before_starting_anything(tmp_path: Path) -> None:
+    blocked = NO_AIOHTTP.replace('"aiohttp"', '"openai"').replace('"aiohttp."', '"openai."')
+    demo = subprocess.run(
+        [sys.executable, "-c", blocked, "demo", "--engine-command", "no-such-engine", "--log-dir",
+         str(tmp_path / "logs")], capture_output=True, text=True, cwd=REPO_ROOT, timeout=BOUND_S)
+    assert demo.returncode == 1
+    assert "kvredis demo needs the openai client" in demo.stderr and "kvredis[demo]" in demo.stderr
+    assert not (tmp_path / "logs").exists()
