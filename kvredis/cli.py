@@ -20,6 +20,9 @@ from kvredis.errors import KVRedisError
 if TYPE_CHECKING:
     from kvredis.stack import StackOptions
 
+# kvredis.proxy.POLICIES, spelled out: importing the proxy needs aiohttp, which the other commands do not.
+_POLICIES = ("round_robin", "least_outstanding")
+
 
 def _config(args: argparse.Namespace) -> KVRedisConfig:
     overrides: dict[str, Any] = {}
@@ -147,7 +150,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start the stack, send completions through it, check them against the prefill engine alone, stop."""
-    from kvredis.stack import demo
+    from kvredis.demo import demo
 
     # A demo namespace of its own: entries of other runs sharing KVREDIS_URL's Redis cannot mix in.
     if not args.namespace:
@@ -165,6 +168,32 @@ def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def _stack_arguments() -> argparse.ArgumentParser:
+    """The options ``up`` and ``demo`` share (their ``--port`` defaults differ), as an argparse parent."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--url", help="use this Redis (default: KVREDIS_URL; unset: start one)")
+    parent.add_argument("--namespace", help="namespace (default: KVREDIS_NAMESPACE)")
+    parent.add_argument("--host", default="127.0.0.1",
+                        help="address every part listens on (default: %(default)s)")
+    parent.add_argument("--engine-command", metavar="CMD",
+                        help="command running a vLLM OpenAI server (default: `vllm serve` of this Python)")
+    parent.add_argument("--engine-arg", action="append", metavar="ARG",
+                        help="extra argument for both vLLM servers (repeat; use --engine-arg=--flag)")
+    parent.add_argument("--startup-timeout", type=_positive(float), default=300.0, metavar="S",
+                        help="seconds each vLLM server may take to become healthy (default: %(default)s)")
+    parent.add_argument("--stop-grace", type=_positive(float), default=20.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)")
+    parent.add_argument("--log-dir", metavar="DIR",
+                        help="where the logs go (default: a new temporary folder)")
+    parent.add_argument("--prefill-instances", type=_positive(int), default=1, metavar="N",
+                        help="prefill vLLM servers behind the proxy (default: %(default)s)")
+    parent.add_argument("--decode-instances", type=_positive(int), default=1, metavar="M",
+                        help="decode vLLM servers behind the proxy (default: %(default)s)")
+    parent.add_argument("--policy", choices=_POLICIES, default="round_robin",
+                        help="how the proxy picks among several instances of a role (default: %(default)s)")
+    return parent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="base URL of a decode vLLM server (repeat for several)")
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     proxy.add_argument("--port", type=int, default=9000, help="port to listen on (default: %(default)s)")
-    proxy.add_argument("--policy", choices=("round_robin", "least_outstanding"), default="round_robin",
+    proxy.add_argument("--policy", choices=_POLICIES, default="round_robin",
                        help="how an instance is chosen (default: %(default)s)")
     proxy.add_argument("--connect-timeout", type=_positive(float), default=5.0, metavar="S",
                        help="seconds to connect to an upstream (default: %(default)s)")
@@ -206,36 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     proxy.set_defaults(handler=cmd_proxy)
 
-    def with_stack(sub: argparse.ArgumentParser, port: int, port_help: str) -> argparse.ArgumentParser:
-        sub.add_argument("--url", help="use this Redis (default: KVREDIS_URL; unset: start one)")
-        sub.add_argument("--namespace", help="namespace (default: KVREDIS_NAMESPACE)")
-        sub.add_argument("--host", default="127.0.0.1",
-                         help="address every part listens on (default: %(default)s)")
-        sub.add_argument("--port", type=int, default=port, help=port_help)
-        sub.add_argument("--engine-command", metavar="CMD",
-                         help="command running a vLLM OpenAI server (default: `vllm serve` of this Python)")
-        sub.add_argument("--engine-arg", action="append", metavar="ARG",
-                         help="extra argument for both vLLM servers (repeat; use --engine-arg=--flag)")
-        sub.add_argument("--startup-timeout", type=_positive(float), default=300.0, metavar="S",
-                         help="seconds each vLLM server may take to become healthy (default: %(default)s)")
-        sub.add_argument("--stop-grace", type=_positive(float), default=20.0, metavar="S",
-                         help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)")
-        sub.add_argument("--log-dir", metavar="DIR",
-                         help="where the logs go (default: a new temporary folder)")
-        sub.add_argument("--prefill-instances", type=_positive(int), default=1, metavar="N",
-                         help="prefill vLLM servers behind the proxy (default: %(default)s)")
-        sub.add_argument("--decode-instances", type=_positive(int), default=1, metavar="M",
-                         help="decode vLLM servers behind the proxy (default: %(default)s)")
-        sub.add_argument("--policy", choices=("round_robin", "least_outstanding"), default="round_robin",
-                         help="how the proxy picks among several instances of a role (default: %(default)s)")
-        return sub
-
-    up = with_stack(commands.add_parser("up", help="run Redis, prefill and decode vLLM and the proxy here"),
-                    9000, "proxy port (default: %(default)s; 0: any free port)")
+    stack = _stack_arguments()
+    up = commands.add_parser("up", parents=[stack],
+                             help="run Redis, prefill and decode vLLM and the proxy here")
+    up.add_argument("--port", type=int, default=9000,
+                    help="proxy port (default: %(default)s; 0: any free port)")
     up.add_argument("--model", help="model for both engines (default: a tiny Llama written locally)")
     up.set_defaults(handler=cmd_up)
-    demo = with_stack(commands.add_parser("demo", help="the stack, a few checked completions, stop"),
-                      0, "proxy port (default: any free port)")
+    demo = commands.add_parser("demo", parents=[stack], help="the stack, a few checked completions, stop")
+    demo.add_argument("--port", type=int, default=0, help="proxy port (default: any free port)")
     demo.add_argument("--requests", type=_positive(int), default=6, help="how many (default: %(default)s)")
     demo.add_argument("--max-tokens", type=_positive(int), default=16,
                       help="tokens generated per request (default: %(default)s)")

@@ -3,7 +3,7 @@
 This module is the one boundary where redis-py's exceptions become kvredis's
 (:func:`translate_errors`). Connections use redis-py's Python command packer instead of hiredis's: it
 sends memoryviews straight to the socket, where hiredis's packer copies every large value twice
-(../shared/notes/redis-transport.md). hiredis still parses replies. Retries are off: a retried RPUSH
+(docs/design.md). hiredis still parses replies. Retries are off: a retried RPUSH
 would store an entry twice and a retried BLPOP could drop one, so a failed call fails once, clearly.
 
 Three kinds of Redis (:meth:`KVRedisConfig.topology`): one server; Redis Cluster through redis-py's

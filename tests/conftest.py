@@ -4,9 +4,11 @@ parameter. The cluster and Sentinel back ends are started once per session, only
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ import redis
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from processes import FAKE_ENGINE
 from redis_servers import ClusterServers, RedisServer, SentinelServers
 
 from kvredis.buffer import RedisLookupBuffer
@@ -156,3 +159,22 @@ def buffers(buffer_defaults: dict[str, Any]) -> Iterator[Callable[..., RedisLook
     yield make
     for buffer in made:
         buffer.close()
+
+
+@pytest.fixture
+def fake_engine(tmp_path: Path) -> str:
+    """A command line standing in for ``vllm serve`` (tests/processes.py's ``FAKE_ENGINE``)."""
+    script = tmp_path / "fake_engine.py"
+    script.write_text(FAKE_ENGINE)
+    return f"{sys.executable} {script}"
+
+
+@pytest.fixture
+def reaper() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts, killed if the test fails before they exit."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

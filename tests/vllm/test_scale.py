@@ -25,19 +25,17 @@ pytest.importorskip("vllm.version")
 
 from engine_servers import TEST_TIMEOUT_ENV
 
-from kvredis.stack import (
-    RunningStack,
-    StackOptions,
-    _connection,
-    _kvredis_metrics,
-    _post_json,
-    _purge,
-    _stream_completion,
+from kvredis.demo import (
     demo_requests,
-    group_alive,
-    open_stack,
+    fetch_metrics,
+    kvredis_metrics,
     parse_samples,
+    post_completion,
+    purge_namespace,
+    stream_completion,
 )
+from kvredis.stack import RunningStack, StackOptions, open_stack
+from kvredis.supervisor import group_alive
 from kvredis.tinymodel import prompt_text
 
 # Four engines start in about two minutes on two cores (each takes 30-40 s alone); the bound leaves room for a
@@ -70,27 +68,21 @@ def scaled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSt
             patch.setenv(name, value)
         with open_stack(options, command="demo", out=sys.stderr) as running:
             yield running
-            pids = [child.pid for child in running.stack.children]
+            pids = [child.pid for child in running.supervisor.children]
     # Stopped: every engine's process group (API server, engine core, workers) is gone.
     assert not [pid for pid in pids if group_alive(pid)]
 
 
 def _vllm_successes(base_url: str) -> float:
     """vLLM's count of finished requests on one engine (all finish reasons)."""
-    connection = _connection(base_url, 10.0)
-    try:
-        connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode("utf-8", errors="replace")
-    finally:
-        connection.close()
-    return sum(parse_samples(text, "vllm:request_success_total", {}).values())
+    return sum(parse_samples(fetch_metrics(base_url), "vllm:request_success_total", {}).values())
 
 
 def _snapshot(running: RunningStack) -> dict[str, dict[str, float]]:
     """Per engine URL: kvredis's samples of the namespace plus vLLM's finished-request count."""
     snapshot = {}
     for url in [*running.prefill_urls, *running.decode_urls]:
-        samples = _kvredis_metrics(url, running.namespace)
+        samples = kvredis_metrics(url, running.namespace)
         samples["vllm_success"] = _vllm_successes(url)
         snapshot[url] = samples
     return snapshot
@@ -117,7 +109,7 @@ def _keys(running: RunningStack) -> list[str]:
 def test_two_prefill_two_decode_engines_answer_correctly(scaled_stack: RunningStack) -> None:
     running = scaled_stack
     assert len(running.prefill_urls) == 2 and len(running.decode_urls) == 2
-    assert [child.spec.role for child in running.stack.children if child.spec.role != "redis"] == [
+    assert [child.spec.role for child in running.supervisor.children if child.spec.role != "redis"] == [
         "prefill-1", "prefill-2", "decode-1", "decode-2", "proxy",
     ]
     requests = demo_requests(REQUESTS, MAX_TOKENS, seed=7)
@@ -133,13 +125,13 @@ def test_two_prefill_two_decode_engines_answer_correctly(scaled_stack: RunningSt
             "model": running.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
         }
-        answer, usage, _ = _stream_completion(running.proxy_url, body)
+        answer, usage, _ = stream_completion(running.proxy_url, body)
         return answer, usage
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         results = list(pool.map(through_proxy, prompts))
     took = time.monotonic() - began
-    running.stack.check()
+    running.supervisor.check()
 
     # The prefills count a stored entry when the background write ends, possibly after the decode took it.
     deadline = time.monotonic() + 10.0
@@ -178,13 +170,13 @@ def test_two_prefill_two_decode_engines_answer_correctly(scaled_stack: RunningSt
             "model": running.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "ignore_eos": True, "cache_salt": uuid.uuid4().hex,
         }
-        reference = _post_json(running.prefill_urls[index % 2], "/v1/completions", body)
+        reference = post_completion(running.prefill_urls[index % 2], body)
         details = (reference.get("usage") or {}).get("prompt_tokens_details") or {}
         assert details.get("cached_tokens") == 0, reference
         assert answer == reference["choices"][0]["text"], (index, lengths[index], answer, reference)
 
     # The references' producers wrote their prompts to Redis too; nothing of the namespace is left after the
     # purge.
-    _purge(running)
+    purge_namespace(running)
     assert _keys(running) == []
     print(f"{REQUESTS} requests, {CONCURRENCY} at a time, through 2 prefill + 2 decode engines: {took:.1f} s")

