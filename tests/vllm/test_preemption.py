@@ -24,6 +24,7 @@ from test_scheduler import (
     LAYERS,
     STEP_TIMEOUT_S,
     TRANSFER_PARAM,
+    assert_nothing_left,
     assert_pages_moved,
     kv_values,
     prompt_of,
@@ -129,6 +130,4 @@ def test_a_decode_preempted_after_its_load_neither_loads_again_nor_recomputes_it
     for index, name in enumerate(LAYERS):  # the loaded pages are still what the prefill computed
         assert same_bits(consumer.layers[name][torch.tensor(loaded_blocks)],
                          _expected_pages(prompt, index, 9)), name
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)

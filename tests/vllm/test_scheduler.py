@@ -265,6 +265,13 @@ def redis_keys(url: str, namespace: str) -> list[bytes]:
         client.close()
 
 
+def assert_nothing_left(*engines: Any) -> None:
+    """Every engine idle with no request, block or load left, and no key left in their namespace."""
+    for engine in engines:
+        engine.assert_empty()
+    assert redis_keys(engines[-1].redis_url, engines[-1].namespace) == []
+
+
 @pytest.fixture
 def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[..., Engine]]:
     """Build engines (scheduler + worker connector); all of one test share a fresh namespace."""
@@ -377,9 +384,7 @@ def test_an_entry_found_in_redis_is_loaded_without_an_announcement(make_engine) 
     assert consumer.new_reqs["c"].num_computed_tokens == 89
     assert_pages_moved(producer, consumer, "c", "p", 0, 3)
     consumer.finish("c")
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)
 
 
 @pytest.fixture
@@ -411,9 +416,7 @@ def test_a_decode_that_arrives_before_the_entry_waits_for_it(make_engine, next_e
     assert_pages_moved(producer, consumer, "c", "p", 0, 4)
     consumer.finish("c")
     assert consumer.stats["loaded_requests"] == 1 and consumer.stats["load_failures"] == 0
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)
 
 
 def test_a_miss_computes_the_prompt(make_engine) -> None:
@@ -446,9 +449,7 @@ def test_local_prefix_hit_and_the_rest_loaded(make_engine) -> None:
     assert consumer.stats["loaded_tokens"] == 102 - 2 * BLOCK_SIZE
     assert_pages_moved(producer, consumer, "c", "p", 0, 4)  # local blocks hold the same bytes
     consumer.finish("c")
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)
 
 
 # -- failures ---------------------------------------------------------------------------------------
@@ -505,9 +506,7 @@ def test_a_failed_load_reports_its_blocks_and_the_request_is_recomputed(
     assert consumer.stats["load_failures"] == 1 and consumer.stats["loaded_requests"] == 0
     warnings = [r.getMessage() for r in caplog.records if r.name == "kvredis.vllm"]
     assert len(warnings) == 1 and "request c" in warnings[0], warnings
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)
 
 
 @pytest.mark.parametrize("outcome", ["entry-arrives", "load-fails"])
@@ -536,9 +535,7 @@ def test_abort_while_loading_holds_the_blocks_until_the_worker_is_done(
         assert consumer.stats["loaded_requests"] == 1
     else:
         assert consumer.stats["load_failures"] == 1
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)
 
 
 @pytest.mark.parametrize("fault", ["killed", "stalled"])
@@ -646,9 +643,7 @@ def test_an_entry_written_for_one_adapter_is_never_loaded_for_another(make_engin
     consumer.finish("a")
     assert consumer.new_reqs["a"].num_computed_tokens == 69
     assert consumer.stats["loaded_requests"] == 2
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)
 
 
 def test_an_adapter_renamed_to_other_weights_gets_other_keys(tmp_path: Path) -> None:
@@ -694,9 +689,7 @@ def test_cache_salt_keeps_tenants_apart(make_engine) -> None:
     consumer.finish("same")
     assert consumer.new_reqs["same"].num_computed_tokens == 79
     assert consumer.stats["loaded_requests"] == 1
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)
 
 
 def test_multimodal_inputs_are_part_of_the_key(make_engine) -> None:

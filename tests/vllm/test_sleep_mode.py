@@ -19,7 +19,13 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 
 import test_scheduler
 import torch
-from test_scheduler import STEP_TIMEOUT_S, announcement, assert_pages_moved, prompt_of, redis_keys
+from test_scheduler import (
+    STEP_TIMEOUT_S,
+    announcement,
+    assert_nothing_left,
+    assert_pages_moved,
+    prompt_of,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvredis.paged import PagedLayout
@@ -81,9 +87,7 @@ def test_a_load_waiting_for_its_entry_during_sleep_writes_nothing(make_engine, n
     assert consumer.new_reqs["c2"].num_computed_tokens == 69
     assert_pages_moved(producer, consumer, "c2", "p2", 0, 3)
     consumer.finish("c2")
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)
 
 
 def test_sleep_waits_for_a_load_copying_its_pages(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,6 +120,4 @@ def test_sleep_waits_for_a_load_copying_its_pages(make_engine, monkeypatch: pyte
     assert consumer.new_reqs["c"].num_computed_tokens == 89  # it finished before the caches went
     assert_pages_moved(producer, consumer, "c", "p", 0, 3)
     consumer.finish("c")
-    producer.assert_empty()
-    consumer.assert_empty()
-    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert_nothing_left(producer, consumer)
