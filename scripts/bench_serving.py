@@ -105,9 +105,13 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--datasets", default="random,prefix_repetition")
+    parser.add_argument("--datasets", default="random,prefix_repetition",
+                        help="comma-separated; empty for none (with --handoff)")
     parser.add_argument("--json", type=Path, help="write every result here")
     parser.add_argument("--png", type=Path, help="write a chart here")
+    parser.add_argument("--handoff", type=int, default=0, metavar="N",
+                        help="then time N requests step by step: the prefill's answer, the entry showing "
+                             "in Redis, the decode's first token")
     args = parser.parse_args()
     from tqdm import tqdm
 
@@ -120,6 +124,8 @@ def main() -> int:
     loads: dict[str, dict[str, float]] = {}
     started = time.monotonic()
     with open_stack(options, command="bench") as stack:
+        if args.handoff:
+            handoff(stack.prefill_url, stack.decode_url, stack.redis_url, options.namespace, model, args)
         alone_port, recompute_port = free_ports(2)
         alone_url, recompute_url = f"http://127.0.0.1:{alone_port}", f"http://127.0.0.1:{recompute_port}"
         env = {"VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu"),
@@ -133,7 +139,8 @@ def main() -> int:
                              lambda: http_ok(recompute_url + "/health"), {}, 60)]]
         with Supervisor(phases, work / "extra"):
             urls = {"kvredis": stack.proxy_url, "alone": alone_url, "recompute": recompute_url}
-            runs = [(dataset, target) for dataset in args.datasets.split(",") for target in TARGETS]
+            runs = [(dataset, target) for dataset in args.datasets.split(",") if dataset
+                    for target in TARGETS]
             for seed, (dataset, target) in enumerate(tqdm(runs, desc="bench serve runs", unit="run")):
                 before = kvredis_counters(stack.decode_url)
                 result = bench_serve(urls[target], model, dataset_args(dataset, args), args,
@@ -162,6 +169,44 @@ def main() -> int:
     if args.png:
         chart(results, args.png)
     return 0
+
+
+def handoff(prefill_url: str, decode_url: str, redis_url: str, namespace: str, model: str,
+            args: argparse.Namespace) -> None:
+    """Where one request's time goes, as the proxy runs it: the prefill's answer, the entry appearing in
+    Redis after it, the decode's first streamed token (loading the entry)."""
+    import redis
+    import requests
+    import torch
+
+    from kvredis.tinymodel import prompt_text
+
+    client = redis.Redis.from_url(redis_url)
+    print(f"\nhand-off, {args.handoff} requests of {args.input_len} tokens one at a time:")
+    for seed in range(args.handoff):
+        prompt = torch.randint(4, 1024, (args.input_len,), generator=torch.Generator().manual_seed(seed))
+        body = {"model": model, "prompt": prompt_text(prompt.tolist()), "max_tokens": 8, "temperature": 0.0,
+                "ignore_eos": True}
+        remote = {"do_remote_decode": True, "do_remote_prefill": False}
+        started = time.monotonic()
+        answer = requests.post(f"{prefill_url}/v1/completions", timeout=300,
+                               json=body | {"max_tokens": 1, "kv_transfer_params": remote}).json()
+        answered = time.monotonic()
+        while not any(client.scan_iter(match=f"{namespace}:*:q")):
+            time.sleep(0.0005)
+        visible = time.monotonic()
+        decode_body = body | {"stream": True, "kv_transfer_params": answer["kv_transfer_params"]}
+        with requests.post(f"{decode_url}/v1/completions", json=decode_body, stream=True,
+                           timeout=300) as reply:
+            next(line for line in reply.iter_lines() if line.startswith(b"data:"))
+            first = time.monotonic()
+            for _ in reply.iter_lines():
+                pass
+        print(f"  prefill {1000 * (answered - started):6.0f} ms   "
+              f"entry in Redis +{1000 * (visible - answered):5.1f} ms   "
+              f"decode first token {1000 * (first - visible):6.0f} ms")
+        time.sleep(0.5)
+    client.close()
 
 
 def chart(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
