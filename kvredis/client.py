@@ -358,8 +358,16 @@ class RedisStore:
             raise
 
     def ping(self) -> None:
-        """Raise a kvredis error unless Redis answers."""
+        """Raise a kvredis error unless Redis answers (on the connections entries move over)."""
         with self._guard("PING"):
+            if not self.cluster:
+                for client in (self.redis, self._popper):
+                    with self._socket(client) as sock:
+                        if sock is not None:
+                            _raise_first(resp.call(sock, ("PING",)))
+                            continue
+                        client.ping()
+                return
             self.redis.ping()
 
     @contextlib.contextmanager

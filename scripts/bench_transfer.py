@@ -53,11 +53,12 @@ from typing import Any
 LAYERS, KV_HEADS, HEAD_DIM, ELEMENT = 32, 8, 128, 2  # Llama-3-8B-sized KV cache, bf16
 TOKEN_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * ELEMENT  # key + value bytes per token: 128 KiB
 LAYER_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * ELEMENT  # key + value bytes per token per layer: 4 KiB
-PATHS = ("kvredis", "naive", "raw-A", "raw-B", "memcpy")
+PATHS = ("kvredis", "raw-socket", "naive", "raw-A", "raw-B", "memcpy")
 DEFAULT_SIZES = "64KiB,1MiB,16MiB,128MiB"
 REDIS_MAX_BULK = 512 << 20  # proto-max-bulk-len's default: one value cannot be larger
 RAW_B_PIECE = 1 << 20
 RAW_B_INFLIGHT = 4 << 20
+RAW_WRITE_DEPTH, RAW_READ_DEPTH = 16, 4  # raw-socket: SETs unanswered, GETDELs requested ahead
 SWEEP_CHUNKS = ("256KiB", "1MiB", "4MiB")
 SWEEP_INFLIGHT = ("1MiB", "4MiB", "16MiB")
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
@@ -201,8 +202,7 @@ class KVRedisPath(Path):
         self.tokens = torch.arange(kv_shape(self.kv.numel() * ELEMENT)[1], dtype=torch.int64) + 1000
 
     def wake(self) -> None:
-        self.buffer.store.redis.ping()  # opens both connections outside the timed phase
-        self.buffer.store._popper.ping()
+        self.buffer.store.ping()  # the connections entries move over, outside the timed phase
 
     def run(self, tag: str) -> Any:
         if self.role == "write":
@@ -343,8 +343,132 @@ class MemcpyPath(Path):
         return bit_equal(result, self.kv)
 
 
+class MiniResp:
+    """A ~50-line RESP client over a raw socket: the wire's reference, independent of kvredis's code."""
+
+    def __init__(self, url: str) -> None:
+        import socket
+        from urllib.parse import urlparse
+
+        parsed = urlparse(url)
+        self.sock = socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(1 << 16)
+        self.start = self.end = 0
+        db = (parsed.path or "/0").strip("/") or "0"
+        if db != "0":
+            self.command(b"SELECT", db.encode())
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        n = self.sock.recv_into(memoryview(self.buf)[self.end:])
+        if not n:
+            raise ConnectionError("closed")
+        self.end += n
+
+    def line(self) -> bytes:
+        while (i := self.buf.find(b"\r\n", self.start, self.end)) < 0:
+            self._fill()
+        out = bytes(self.buf[self.start:i])
+        self.start = i + 2
+        return out
+
+    def into(self, dest: memoryview) -> None:
+        """Read one bulk reply of exactly ``dest``'s length into ``dest``."""
+        header = self.line()
+        if header != b"$%d" % dest.nbytes:
+            raise RuntimeError(f"unexpected reply {header[:40]!r}")
+        have = min(self.end - self.start, dest.nbytes)
+        dest[:have] = self.buf[self.start:self.start + have]
+        self.start += have
+        while have < dest.nbytes:
+            have += self.sock.recv_into(dest[have:])
+        if self.line() != b"":
+            raise RuntimeError("bulk not terminated")
+
+    @staticmethod
+    def pack(*args: bytes) -> bytes:
+        return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+    def command(self, *args: bytes) -> bytes:
+        self.sock.sendall(self.pack(*args))
+        return self.line()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def raw_socket_write(client: MiniResp, keys: list[bytes], data: memoryview, piece: int, depth: int) -> None:
+    """SET each piece (memoryviews, no join), at most ``depth`` unanswered."""
+    unanswered = 0
+    for i, key in enumerate(keys):
+        chunk = data[i * piece:(i + 1) * piece]
+        client.sock.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, chunk.nbytes))
+        client.sock.sendall(chunk)
+        client.sock.sendall(b"\r\n")
+        unanswered += 1
+        if unanswered == depth:
+            if client.line() != b"+OK":
+                raise RuntimeError("SET refused")
+            unanswered -= 1
+    for _ in range(unanswered):
+        if client.line() != b"+OK":
+            raise RuntimeError("SET refused")
+
+
+def raw_socket_read(client: MiniResp, keys: list[bytes], out: memoryview, piece: int, depth: int) -> None:
+    """GETDEL each piece straight into its slice of ``out``, ``depth`` requested ahead."""
+    sent = 0
+    for i in range(len(keys)):
+        while sent < len(keys) and sent < i + depth:
+            client.sock.sendall(client.pack(b"GETDEL", keys[sent]))
+            sent += 1
+        client.into(out[i * piece:min((i + 1) * piece, out.nbytes)])
+
+
+class RawSocketPath(Path):
+    """The wire's reference: 1 MiB pieces over a raw socket, SET 16 deep, GETDEL 4 deep into the output
+    (allocated before the clock, fresh each round trip, like kvredis's: its first-touch faults count)."""
+
+    def prepare(self, tag: str) -> None:
+        import torch
+
+        if not hasattr(self, "client"):
+            self.client = MiniResp(self.url)
+        total = self.kv.numel() * ELEMENT
+        self.piece = min(RAW_B_PIECE, total)
+        self.keys = [f"{tag}:{i}".encode() for i in range(-(-total // self.piece))]
+        if self.role == "read":
+            self.out = torch.empty(total, dtype=torch.uint8)
+
+    def wake(self) -> None:
+        self.client.command(b"PING")
+
+    def run(self, tag: str) -> Any:
+        import torch
+
+        if self.role == "write":
+            raw_socket_write(self.client, self.keys, flat_bytes(self.kv), self.piece, RAW_WRITE_DEPTH)
+            return None
+        raw_socket_read(self.client, self.keys, memoryview(self.out.numpy()).cast("B"), self.piece,
+                        RAW_READ_DEPTH)
+        return self.out.view(torch.bfloat16).reshape(self.kv.shape)
+
+    def verify(self, result: Any) -> bool:
+        return self.role == "write" or bit_equal(result, self.kv)
+
+    def finish(self, tag: str) -> None:
+        self.out = None
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+
+
 PATH_CLASSES: dict[str, type[Path]] = {
-    "kvredis": KVRedisPath, "naive": NaivePath, "raw-A": RawAPath, "raw-B": RawBPath, "memcpy": MemcpyPath,
+    "kvredis": KVRedisPath, "naive": NaivePath, "raw-A": RawAPath, "raw-B": RawBPath,
+    "raw-socket": RawSocketPath, "memcpy": MemcpyPath,
 }
 
 
@@ -555,8 +679,7 @@ def phases_main(conn: Any, nbytes: int, url: str, prefix: str, repeat: int) -> N
                 timer.order.clear()  # list phases in the order of a measured (chunked) round trip
             config = KVRedisConfig.from_env(overrides={"url": url, "namespace": f"{prefix}-ph{rep + 1}"})
             with buffer.RedisLookupBuffer(config) as buf:
-                buf.store.redis.ping()
-                buf.store._popper.ping()
+                buf.store.ping()
                 buf.insert(entry_tokens, None, entry_kv[0], entry_kv[1], None)
                 entry = buf.drop_select(entry_tokens, None)
             assert bit_equal(entry[2], entry_kv[0]) and bit_equal(entry[3], entry_kv[1])
