@@ -660,9 +660,9 @@ def phases_main(conn: Any, nbytes: int, url: str, prefix: str, repeat: int) -> N
         for owner, name in patches:
             setattr(owner, name, timer.wrap(name, getattr(owner, name)))
 
-        class _Zlib:  # codec calls zlib.crc32 through its module global
-            crc32 = staticmethod(timer.wrap("crc32", __import__("zlib").crc32))
-        codec.zlib = _Zlib  # type: ignore[assignment]
+        checksum = timer.wrap("checksum", codec.CHECKSUMS[codec.FORMAT_VERSION])
+        codec.CHECKSUMS[codec.FORMAT_VERSION] = checksum  # decode looks it up by the blob's version
+        codec._WRITE_CHECKSUM = checksum  # type: ignore[attr-defined]
         torch_empty = torch.empty
         buffer.torch = type("T", (), {"__getattr__": lambda s, n: getattr(torch, n)})()  # type: ignore
         buffer.torch.empty = timer.wrap("torch.empty", torch_empty)  # type: ignore[attr-defined]
@@ -701,6 +701,30 @@ def run_phases(ctx: Any, nbytes: int, url: str, prefix: str, repeat: int) -> lis
         raise RuntimeError(payload)
     keys = list(payload[0])
     return [(k, statistics.median(r[k][0] for r in payload), payload[0][k][1]) for k in keys]
+
+
+# -- redis-benchmark: the C client's rate, the native limit -----------------------------------------
+
+
+def redis_benchmark(url: str, piece: int, requests: int) -> dict[str, float] | None:
+    """``redis-benchmark -d piece -P 8 -c 1 -t set,get``: MB/s of SET and GET (``None`` if not installed)."""
+    import shutil
+    import subprocess
+    from urllib.parse import urlparse
+
+    exe = shutil.which("redis-benchmark")
+    if exe is None:
+        return None
+    parsed = urlparse(url)
+    command = [exe, "-h", parsed.hostname or "127.0.0.1", "-p", str(parsed.port or 6379), "-d", str(piece),
+               "-P", "8", "-c", "1", "-n", str(requests), "-t", "set,get", "--csv"]
+    output = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+    rates: dict[str, float] = {}
+    for row in output.splitlines():
+        cells = [c.strip('"') for c in row.split(",")]
+        if len(cells) > 1 and cells[0] in ("SET", "GET"):
+            rates[cells[0].lower()] = float(cells[1]) * piece / 1e6
+    return rates
 
 
 # -- reporting ---------------------------------------------------------------------------------------
@@ -759,7 +783,7 @@ def print_table(results: dict[int, dict[str, Any]], out: Callable[[str], None]) 
         kv = by_path.get("kvredis")
         if kv and "skipped" not in kv:
             parts = []
-            for other in ("naive", "raw-A", "raw-B"):
+            for other in ("raw-socket", "naive", "raw-A", "raw-B"):
                 o = by_path.get(other)
                 if o and "skipped" not in o:
                     parts.append(f"kvredis/{other} {o['total_s'] / kv['total_s']:.2f}x "
@@ -781,11 +805,10 @@ def check_targets(results: dict[int, dict[str, Any]], out: Callable[[str], None]
     big = results.get(128 << 20, {})
     kv = big.get("kvredis")
     if kv and "skipped" not in kv:
-        for other, need, stretch in (("naive", 5.0, False), ("naive", 8.0, True), ("raw-B", 0.8, False)):
-            o = big.get(other)
-            if o and "skipped" not in o:
-                ratio = o["total_s"] / kv["total_s"]
-                line(ratio >= need, f"128MiB round trip kvredis/{other} = {ratio:.2f}x >= {need}x", stretch)
+        o = big.get("raw-socket")  # naive stays a reference only: its rate swings 3.6x between runs
+        if o and "skipped" not in o:
+            ratio = o["total_s"] / kv["total_s"]
+            line(ratio >= 0.9, f"128MiB round trip kvredis/raw-socket = {ratio:.2f}x >= 0.9x")
         for role, need, stretch in (("writer", 0.5, False), ("writer", 0.25, True),
                                     ("reader", 1.5, False), ("reader", 1.25, True)):
             extra = kv[f"{role}_extra"]
@@ -795,12 +818,13 @@ def check_targets(results: dict[int, dict[str, Any]], out: Callable[[str], None]
     kv, raw = small.get("kvredis"), small.get("raw-A")
     if kv and raw and "skipped" not in kv:
         ratio = kv["total_s"] / raw["total_s"]
-        line(ratio <= 2.0, f"64KiB kvredis insert+drop_select {kv['total_s'] * 1e3:.3f} ms = {ratio:.2f}x "
-                           f"raw-A SET+GET {raw['total_s'] * 1e3:.3f} ms <= 2x")
+        line(ratio <= 1.5, f"64KiB kvredis insert+drop_select {kv['total_s'] * 1e3:.3f} ms = {ratio:.2f}x "
+                           f"raw-A SET+GET {raw['total_s'] * 1e3:.3f} ms <= 1.5x")
     return passed
 
 
-def write_png(results: dict[int, dict[str, Any]], path: str, info: dict[str, Any]) -> None:
+def write_png(results: dict[int, dict[str, Any]], path: str, info: dict[str, Any],
+              native: dict[str, float] | None = None, native_piece: int = 0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -812,6 +836,10 @@ def write_png(results: dict[int, dict[str, Any]], path: str, info: dict[str, Any
         if points:
             xs, ys = zip(*sorted(points), strict=True)
             ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name == "memcpy" else "-")
+    if native and native.get("set") and native.get("get"):
+        rt = 1 / (1 / native["set"] + 1 / native["get"])
+        ax.axhline(rt, color="grey", linestyle=":",
+                   label=f"redis-benchmark ({fmt_size(native_piece)} pieces)")
     sizes = sorted(results)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -865,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", action="store_true",
                         help="also time kvredis's internal phases (insert, drop_select) per size")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--redis-benchmark", type=parse_size, default=RAW_B_PIECE, metavar="PIECE",
+                        help="piece size for the redis-benchmark figure (0: skip it; default 1MiB)")
     args = parser.parse_args(argv)
 
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -895,6 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep: list[dict[str, Any]] = []
     phases: dict[int, list[tuple[str, float, int]]] = {}
     started = time.perf_counter()
+    native: dict[str, float] | None = None
     try:
         steps = 0
         if not args.sweep_only:
@@ -934,6 +965,9 @@ def main(argv: list[str] | None = None) -> int:
                 phases[size] = run_phases(ctx, size, args.url, prefix, reps)
                 tick()
         bar.close()
+        if args.redis_benchmark and not args.sweep_only:
+            requests = max(200, (512 << 20) // args.redis_benchmark)
+            native = redis_benchmark(args.url, args.redis_benchmark, requests)
     finally:
         removed = cleanup(args.url, prefix)
     elapsed = time.perf_counter() - started
@@ -950,6 +984,17 @@ def main(argv: list[str] | None = None) -> int:
     if results:
         print_table(results, emit)
         passed = check_targets(results, emit)
+        emit()
+    if native:
+        set_mbps, get_mbps = native.get("set", 0.0), native.get("get", 0.0)
+        rt = 1 / (1 / set_mbps + 1 / get_mbps) if set_mbps and get_mbps else 0.0
+        emit(f"# redis-benchmark -d {args.redis_benchmark} -P 8 -c 1 -t set,get (C client, native limit): "
+             f"SET {set_mbps:.0f} MB/s, GET {get_mbps:.0f} MB/s, round trip {rt:.0f} MB/s")
+        for size, by_path in results.items():
+            kv = by_path.get("kvredis")
+            if kv and "skipped" not in kv and rt:
+                emit(f"#   {fmt_size(size)}: kvredis round trip {kv['mbps']:.0f} MB/s = "
+                     f"{kv['mbps'] / rt:.2f}x redis-benchmark's")
         emit()
     if sweep:
         emit(f"# sweep: kvredis at {fmt_size(args.sweep_size)}, KVREDIS_CHUNK_BYTES x KVREDIS_INFLIGHT_BYTES")
@@ -974,11 +1019,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(out), flush=True)
 
     if results and args.png:
-        write_png(results, args.png, info)
+        write_png(results, args.png, info, native, args.redis_benchmark)
         print(f"chart: {args.png}")
     if args.json:
         document = {"command": sys.argv, "machine": info, "results": {str(k): v for k, v in results.items()},
-                    "sweep": sweep, "phases": {str(k): v for k, v in phases.items()}, "passed": passed}
+                    "redis_benchmark": native, "sweep": sweep,
+                    "phases": {str(k): v for k, v in phases.items()}, "passed": passed}
         with open(args.json, "w") as handle:
             json.dump(document, handle, indent=1, default=str)
         print(f"json: {args.json}")
