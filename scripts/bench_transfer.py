@@ -703,6 +703,76 @@ def run_phases(ctx: Any, nbytes: int, url: str, prefix: str, repeat: int) -> lis
     return [(k, statistics.median(r[k][0] for r in payload), payload[0][k][1]) for k in keys]
 
 
+# -- concurrency: several threads, each moving its own entries, at once -------------------------------
+
+
+def run_concurrency(url: str, threads: int, nbytes: int, repeat: int, prefix: str) -> dict[str, Any]:
+    """``threads`` threads each insert then drop_select their own entry through ONE shared buffer, against
+    the raw-socket reference with one connection per thread; rounds interleaved. Aggregate MB/s is all
+    threads' key+value bytes over the wall time from a common start to the last thread's end."""
+    import threading
+
+    import torch
+
+    from kvredis.buffer import RedisLookupBuffer
+    from kvredis.config import KVRedisConfig
+
+    kvs = [make_kv(nbytes, 100 + i) for i in range(threads)]
+    tokens = [torch.arange(kv_shape(nbytes)[1], dtype=torch.int64) + 1000 * (i + 1) for i in range(threads)]
+    buffer = RedisLookupBuffer(KVRedisConfig.from_env(overrides={"url": url, "namespace": f"{prefix}-cc"}))
+    clients = [MiniResp(url) for _ in range(threads)]
+    piece = min(RAW_B_PIECE, nbytes)
+
+    def kvredis_job(i: int, rep: int) -> bool:
+        buffer.insert(tokens[i], None, kvs[i][0], kvs[i][1], None)
+        entry = buffer.drop_select(tokens[i], None)
+        return bit_equal(entry[2], kvs[i][0]) and bit_equal(entry[3], kvs[i][1])
+
+    def raw_job(i: int, rep: int) -> bool:
+        keys = [f"{prefix}-cc-raw-{rep}-{i}:{k}".encode() for k in range(-(-nbytes // piece))]
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        raw_socket_write(clients[i], keys, flat_bytes(kvs[i]), piece, RAW_WRITE_DEPTH)
+        raw_socket_read(clients[i], keys, memoryview(out.numpy()).cast("B"), piece, RAW_READ_DEPTH)
+        return bit_equal(out.view(torch.bfloat16).reshape(kvs[i].shape), kvs[i])
+
+    def once(job: Callable[[int, int], bool], rep: int) -> tuple[float, bool]:
+        barrier = threading.Barrier(threads + 1)
+        ok: list[bool] = [False] * threads
+
+        def body(i: int) -> None:
+            barrier.wait()
+            ok[i] = job(i, rep)
+
+        workers = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        gc.collect()
+        barrier.wait()
+        start = time.perf_counter()
+        for worker in workers:
+            worker.join()
+        return time.perf_counter() - start, all(ok)
+
+    times: dict[str, list[float]] = {"kvredis": [], "raw-socket": []}
+    verified = True
+    try:
+        for rep in range(-1, repeat):  # rep -1: warm-up
+            order = [("kvredis", kvredis_job), ("raw-socket", raw_job)]
+            for name, job in order if rep % 2 else order[::-1]:
+                seconds, ok = once(job, rep)
+                verified = verified and ok
+                if rep >= 0:
+                    times[name].append(seconds)
+    finally:
+        buffer.close()
+        for client in clients:
+            client.close()
+    total = threads * nbytes
+    return {"threads": threads, "bytes": nbytes, "verified": verified,
+            **{f"{name}_mbps": total / statistics.median(ts) / 1e6 for name, ts in times.items()},
+            **{f"{name}_best_mbps": total / min(ts) / 1e6 for name, ts in times.items()}}
+
+
 # -- redis-benchmark: the C client's rate, the native limit -----------------------------------------
 
 
@@ -893,6 +963,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", action="store_true",
                         help="also time kvredis's internal phases (insert, drop_select) per size")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--concurrency", type=int, default=0, metavar="THREADS",
+                        help="also THREADS threads at once, each its own --concurrency-size entry, through "
+                             "one buffer, against raw-socket with a connection per thread")
+    parser.add_argument("--concurrency-size", type=parse_size, default=16 << 20)
     parser.add_argument("--redis-benchmark", type=parse_size, default=RAW_B_PIECE, metavar="PIECE",
                         help="piece size for the redis-benchmark figure (0: skip it; default 1MiB)")
     args = parser.parse_args(argv)
@@ -926,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
     phases: dict[int, list[tuple[str, float, int]]] = {}
     started = time.perf_counter()
     native: dict[str, float] | None = None
+    concurrency: dict[str, Any] | None = None
     try:
         steps = 0
         if not args.sweep_only:
@@ -965,6 +1040,9 @@ def main(argv: list[str] | None = None) -> int:
                 phases[size] = run_phases(ctx, size, args.url, prefix, reps)
                 tick()
         bar.close()
+        if args.concurrency:
+            concurrency = run_concurrency(args.url, args.concurrency, args.concurrency_size, args.repeat,
+                                          prefix)
         if args.redis_benchmark and not args.sweep_only:
             requests = max(200, (512 << 20) // args.redis_benchmark)
             native = redis_benchmark(args.url, args.redis_benchmark, requests)
@@ -984,6 +1062,19 @@ def main(argv: list[str] | None = None) -> int:
     if results:
         print_table(results, emit)
         passed = check_targets(results, emit)
+        emit()
+    if concurrency:
+        c = concurrency
+        ratio = c["kvredis_mbps"] / c["raw-socket_mbps"]
+        emit(f"# concurrency: {c['threads']} threads x {fmt_size(c['bytes'])} entries at once, aggregate "
+             f"round-trip MB/s, median (best) of {args.repeat}")
+        emit(f"  kvredis (one shared buffer)        {c['kvredis_mbps']:8.0f} ({c['kvredis_best_mbps']:.0f})")
+        emit(f"  raw-socket (a connection a thread) {c['raw-socket_mbps']:8.0f} "
+             f"({c['raw-socket_best_mbps']:.0f})")
+        ok = ratio >= 0.9 and c["verified"]
+        passed = passed and ok
+        emit(f"{'PASS' if ok else 'FAIL'}  concurrency kvredis/raw-socket = {ratio:.2f}x >= 0.9x"
+             f"{'' if c['verified'] else ' (NOT bit-identical)'}")
         emit()
     if native:
         set_mbps, get_mbps = native.get("set", 0.0), native.get("get", 0.0)
@@ -1023,7 +1114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chart: {args.png}")
     if args.json:
         document = {"command": sys.argv, "machine": info, "results": {str(k): v for k, v in results.items()},
-                    "redis_benchmark": native, "sweep": sweep,
+                    "redis_benchmark": native, "concurrency": concurrency, "sweep": sweep,
                     "phases": {str(k): v for k, v in phases.items()}, "passed": passed}
         with open(args.json, "w") as handle:
             json.dump(document, handle, indent=1, default=str)
