@@ -799,3 +799,10 @@ def test_unknown_format_is_refused_naming_the_readable_ones() -> None:
     blob = handmade_blob({"v": 3, "t": [], "m": {}}, version=3)
     with pytest.raises(CodecError, match=r"format version 3; this kvredis reads versions 1 and 2"):
         codec.decode(blob, max_payload_bytes=LIMIT)
+
+
+@pytest.mark.parametrize("size", [0, 5, 4 << 20, (4 << 20) + 1, (9 << 20) + 77])
+def test_the_stepped_xxh3_equals_xxhashs_one_call(size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    assert codec.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
+    assert codec.CHECKSUMS[2] is codec.xxh3_64
