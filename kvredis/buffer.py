@@ -119,7 +119,8 @@ class RedisLookupBuffer:
                 self.store.put_pieces(piece_keys, _pieces(encoded.payload, chunk), ttl_ms)
                 self.store.push_record(queue, encoded.header, ttl_ms)
             else:
-                self.store.push_record(queue, encoded.to_bytes(), ttl_ms)
+                # Header and payload go out as one value, without joining them first.
+                self.store.push_record(queue, [encoded.header, *encoded.payload], ttl_ms)
         except KVRedisError as exc:
             cause = self._failure_cause(exc)
             self.metrics.store_failed(cause)
@@ -240,7 +241,7 @@ class RedisLookupBuffer:
             raise
 
     def _read_entry(
-        self, keys: EntryKeys, record: bytes, tokens: torch.Tensor, mask: torch.Tensor,
+        self, keys: EntryKeys, record: bytes | bytearray, tokens: torch.Tensor, mask: torch.Tensor,
         entry_id: str | None = None,
     ) -> tuple[Entry | None, str]:
         """The entry in ``record``, or ``None`` and why it was dropped."""

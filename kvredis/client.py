@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import select
 import socket
 import ssl
 import threading
@@ -272,6 +273,10 @@ class RedisStore:
         self._watch_until = 0.0  # see _WATCH_S
         self._watcher: threading.Thread | None = None
         self._closed = False
+        # Connections kvredis frames its own commands on, kept out of the pool between calls: a pool's
+        # get_connection checks each one with several Python calls, which a 64 KiB entry feels. Keyed by
+        # pool; one per concurrent caller (list pop and append are atomic: no lock around any I/O).
+        self._idle: dict[int, list[Any]] = {}
         if client is not None:
             self.cluster = isinstance(client, RedisCluster)
             self._clients = dict.fromkeys(self._read_timeouts(), client)
@@ -353,25 +358,92 @@ class RedisStore:
             raise
 
     def ping(self) -> None:
-        """Raise a kvredis error unless Redis answers."""
+        """Raise a kvredis error unless Redis answers (on the connections entries move over)."""
         with self._guard("PING"):
+            if not self.cluster:
+                for client in (self.redis, self._popper):
+                    with self._socket(client) as sock:
+                        if sock is not None:
+                            _raise_first(resp.call(sock, ("PING",)))
+                            continue
+                        client.ping()
+                return
             self.redis.ping()
 
-    def push_record(self, queue: str, record: bytes | memoryview, ttl_ms: int) -> None:
-        """Append ``record`` to list ``queue`` and refresh the list's TTL, atomically."""
+    @contextlib.contextmanager
+    def _socket(self, client: Any) -> Iterator[socket.socket | None]:
+        """A connection's socket, for commands kvredis frames itself (``None``: a stand-in client such as
+        fakeredis, whose commands go through redis-py). A connection that saw an error is closed: a reply
+        may be half read."""
+        pool = client.connection_pool
+        idle = self._idle.setdefault(id(pool), [])
+        connection = None
+        while idle:
+            candidate = idle.pop()
+            if _still_open(candidate):
+                connection = candidate
+                break
+            candidate.disconnect()
+            pool.release(candidate)
+        if connection is None:
+            connection = self._connection(pool)
+        sock = getattr(connection, "_sock", None)
+        try:
+            yield sock if isinstance(sock, socket.socket) else None
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+        if self._closed or isinstance(sock, ssl.SSLSocket) or not isinstance(sock, socket.socket):
+            pool.release(connection)
+        else:
+            idle.append(connection)
+
+    def _release_idle(self) -> None:
+        for client in {id(client): client for client in self._clients.values()}.values():
+            pool = getattr(client, "connection_pool", None)
+            if pool is not None:
+                for connection in self._idle.pop(id(pool), []):
+                    pool.release(connection)
+
+    def push_record(self, queue: str, record: resp.Buffer | Sequence[resp.Buffer], ttl_ms: int) -> None:
+        """Append ``record`` (one buffer, or a list of buffers sent as one value, not joined) to list
+        ``queue`` and refresh the list's TTL, atomically, in one round trip."""
+        parts: list[resp.Buffer] = (
+            [record] if isinstance(record, (bytes, bytearray, memoryview)) else list(record))
         with self._guard(f"storing record in {queue}"):
+            if not self.cluster:
+                with self._socket(self.redis) as sock:
+                    if sock is not None:
+                        replies = resp.call(sock, ("MULTI",), ("RPUSH", queue, parts),
+                                            ("PEXPIRE", queue, ttl_ms), ("EXEC",))
+                        _raise_first(replies)
+                        return
+            value = parts[0] if len(parts) == 1 else b"".join(parts)
             if self.cluster:
-                self._cluster_transaction(queue, [("RPUSH", queue, record), ("PEXPIRE", queue, ttl_ms)])
+                self._cluster_transaction(queue, [("RPUSH", queue, value), ("PEXPIRE", queue, ttl_ms)])
                 return
             pipe = self.redis.pipeline(transaction=True)
-            pipe.rpush(queue, record)
+            pipe.rpush(queue, value)
             pipe.pexpire(queue, ttl_ms)
             pipe.execute()
 
-    def pop_record(self, queue: str, timeout_s: float) -> bytes | None:
+    def pop_record(self, queue: str, timeout_s: float) -> bytes | bytearray | None:
         """Take the oldest record of ``queue``, waiting up to ``timeout_s`` for one; ``None`` if none came."""
+        wait = max(timeout_s, 0.001)  # BLPOP 0 would wait forever
         with self._guard(f"BLPOP {queue}"):
-            reply = self._popper.blpop([queue], timeout=max(timeout_s, 0.001))
+            if not self.cluster:
+                with self._socket(self._popper) as sock:
+                    if sock is not None:
+                        (reply,) = resp.call(sock, ("BLPOP", queue, f"{wait:.3f}"))
+                        _raise_first([reply])
+                        if reply is None:
+                            return None
+                        if not (isinstance(reply, list) and len(reply) == 2
+                                and isinstance(reply[1], bytearray)):
+                            raise KVRedisError(f"BLPOP {queue} answered {str(reply)[:60]}")
+                        return reply[1]  # writable: the entry's tensors are views of it
+            reply = self._popper.blpop([queue], timeout=wait)
         if reply is None:
             return None
         record = reply[1]
@@ -382,12 +454,23 @@ class RedisStore:
     def peek_length(self, queue: str) -> int:
         """How many records wait in ``queue`` (no side effect)."""
         with self._guard(f"LLEN {queue}"):
+            if not self.cluster:
+                with self._socket(self._prober) as sock:
+                    if sock is not None:
+                        (reply,) = resp.call(sock, ("LLEN", queue))
+                        _raise_first([reply])
+                        return int(reply)
             return int(self._prober.llen(queue))
 
     def put_pieces(self, keys: Sequence[str], pieces: Sequence[bytes | memoryview], ttl_ms: int) -> None:
         """SET each key to its piece with a TTL, pipelined; raise if any SET was refused."""
         batch_bytes = max(self.config.write_batch_bytes, 1)
         with self._guard(f"storing {len(keys)} pieces"):
+            if not self.cluster:
+                with self._socket(self.redis) as sock:
+                    if sock is not None:
+                        _raise_first([resp.put_pieces(sock, keys, pieces, ttl_ms, batch_bytes)])
+                        return
             pipe = self.redis.pipeline(transaction=False)
             pending = 0
             for key, piece in zip(keys, pieces, strict=True):
@@ -614,9 +697,33 @@ class RedisStore:
         """Close the connections this store opened (not a client passed in)."""
         with self._lock:
             self._closed = True
+        self._release_idle()
         if self._owns_clients:
             for client in self._clients.values():
                 _close(client)
+
+
+def _still_open(connection: Any) -> bool:
+    """Whether an idle connection's server end is still there and has sent nothing unasked (one peek)."""
+    sock = getattr(connection, "_sock", None)
+    if not isinstance(sock, socket.socket):
+        return False
+    try:
+        # Readable while idle means closed (EOF) or out of step; a zero-timeout select never waits.
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+def _raise_first(replies: Sequence[Any]) -> None:
+    """Raise the first error reply as redis-py would have (so that :func:`translate_errors` names it)."""
+    error = resp.first_error(replies)
+    if error is not None:
+        text = str(error)
+        if text.startswith("NOPERM"):
+            raise redis.exceptions.NoPermissionError(text)
+        raise redis.exceptions.ResponseError(text)
 
 
 def _check_all(replies: list[Any], command: str) -> None:

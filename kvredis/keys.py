@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # of the key layout (in every key); blobs carry their own, codec.FORMAT_VERSION
 _DIGEST_BYTES = 16  # 128 bits: collisions are out of reach, and entries re-check their tokens anyway.
 _CONTEXT = re.compile(rf"\A[0-9a-f]{{{2 * _DIGEST_BYTES}}}\Z")
 _ENTRY_ID = re.compile(r"\A[0-9a-f]{16}\Z")

