@@ -74,21 +74,12 @@ def child_failed(role: str, reason: str, log_path: Path | None) -> ChildFailed:
     return ChildFailed(role, reason, log_path, log_tail(log_path) if log_path is not None else "")
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (a zombie, holding only its pid, does not count)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    # On Linux, read the group and state of every process: where PID 1 does not reap orphans (some
-    # containers), a killed engine's worker stays a zombie in the group forever, and killpg(pgid, 0) on a
-    # group of zombies succeeds.
-    for entry in proc.iterdir():
+def group_members(pgid: int) -> list[int]:
+    """The live processes of group ``pgid``, read from ``/proc`` (Linux); a zombie does not count: where
+    PID 1 does not reap orphans (some containers), a killed engine's worker stays a zombie in the group
+    forever, and killpg(pgid, 0) on a group of zombies succeeds."""
+    members = []
+    for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
@@ -99,8 +90,21 @@ def group_alive(pgid: int) -> bool:
         # state, parent pid, process group.
         fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            return True
-    return False
+            members.append(int(entry.name))
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (a zombie, holding only its pid, does not count)."""
+    if Path("/proc").is_dir():
+        return bool(group_members(pgid))
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # -- health checks and children -----------------------------------------------------------------

@@ -123,22 +123,6 @@ def started_pids(log_dir: Path) -> list[int]:
     return pids
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid``, read from ``/proc``."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
-
-
 def wait_all_gone(pids: list[int], bound_s: float = BOUND_S) -> None:
     """Return as soon as none of ``pids`` runs; fail naming those left after ``bound_s``."""
     deadline = time.monotonic() + bound_s

@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("vllm.version")
 
 from engine_servers import TEST_TIMEOUT_ENV
+from processes import running
 
 from kvredis.demo import DEMO_LENGTHS
 from kvredis.supervisor import group_alive
@@ -31,19 +32,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # loaded CI machine without letting a hang run forever.
 DEMO_BOUND_S = 480
 REQUESTS = 6
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` is a live process; a zombie (dead, not yet reaped by a non-reaping init) is not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rfind(")") + 2] not in "ZX"
 
 
 @pytest.mark.vllm
