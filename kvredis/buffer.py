@@ -36,6 +36,7 @@ from kvredis.keys import (
     EntryKeys,
     KeySpace,
     Prompt,
+    check_digest,
     check_entry_id,
     new_entry_id,
     prompt_digest,
@@ -198,8 +199,15 @@ class RedisLookupBuffer:
 
         ``prefix`` names another key space's entry (another tensor-parallel rank's shard, say); by default
         this buffer's own."""
+        return self.discard_entry(prompt_digest(input_tokens, roi, context), entry_id, wait_s=wait_s,
+                                  prefix=prefix)
+
+    def discard_entry(
+        self, digest: str, entry_id: str, *, wait_s: float = 0.0, prefix: str | None = None
+    ) -> bool:
+        """:meth:`discard` of an entry named by its prompt digest (an announcement's), not its tokens."""
         self._check_open()
-        keys = EntryKeys(prefix or self.keyspace.prefix, prompt_digest(input_tokens, roi, context))
+        keys = EntryKeys(prefix or self.keyspace.prefix, check_digest(digest))
         queue = keys.entry_queue(entry_id)
         try:
             record = self.store.pop_record(queue, wait_s)  # BLPOP: at least a millisecond

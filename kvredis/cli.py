@@ -102,6 +102,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             raise
         print("kvredis proxy needs aiohttp: pip install 'kvredis[proxy]'", file=sys.stderr)
         return 2
+    redis_url = args.redis_url or os.environ.get("KVREDIS_URL")
     config = ProxyConfig(
         prefill_urls=args.prefill,
         decode_urls=args.decode,
@@ -109,6 +110,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout,
         prefill_timeout_s=args.prefill_timeout,
         decode_ttfb_timeout_s=args.decode_timeout,
+        redis_config=KVRedisConfig.from_env(overrides={"url": redis_url}) if redis_url else None,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -233,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode-timeout", type=_positive(float), default=300.0, metavar="S",
                        help="seconds to a decode's first bytes, and between streamed chunks "
                             "(default: %(default)s)")
+    proxy.add_argument("--redis-url", metavar="URL",
+                       help="the Redis the engines write to, to delete entries whose decode failed (default: "
+                            "KVREDIS_URL; the other KVREDIS_* settings apply); unset: they expire")
     proxy.set_defaults(handler=cmd_proxy)
 
     stack = _stack_arguments()

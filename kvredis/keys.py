@@ -137,6 +137,14 @@ def check_entry_id(entry_id: object) -> str:
     return entry_id
 
 
+def check_digest(digest: object) -> str:
+    """``digest`` if it has the form of a :func:`prompt_digest`; a ``ValueError`` otherwise (a digest a peer
+    sent becomes part of a key)."""
+    if not isinstance(digest, str) or not _CONTEXT.match(digest):
+        raise ValueError(f"not a kvredis prompt digest: {digest!r}")
+    return digest
+
+
 @dataclass(frozen=True)
 class EntryKeys:
     """The keys of every entry stored for one prompt.

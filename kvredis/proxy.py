@@ -8,6 +8,10 @@ answer is relayed to the client, streamed chunk by chunk when the client asked f
 No request is ever retried: once an upstream may have received it, sending it again elsewhere could run it
 twice, so a failure is reported to the client (502 for a refused or broken connection, 504 for a timeout,
 the upstream's own status for an error answer) and the request ends there.
+
+With a Redis to reach (``redis_config``), a request whose decode never took the entry its prefill announced
+(the decode refused the connection, answered an error, or gave no first bytes in time) has that entry
+deleted at once; without one, such an entry stays until its TTL.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +30,9 @@ from typing import Any
 import aiohttp
 from aiohttp import hdrs, web
 
+from kvredis.announcement import MalformedAnnouncement, read_announcement
+from kvredis.buffer import RedisLookupBuffer
+from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
 
 logger = logging.getLogger("kvredis.proxy")
@@ -47,6 +55,8 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0
     decode_ttfb_timeout_s: float = 300.0
+    redis_config: KVRedisConfig | None = None
+    """Where the prefills write their entries: the proxy deletes those their decode never took."""
 
     def __post_init__(self) -> None:
         """Normalise the URL lists to tuples without trailing slashes and reject unusable settings."""
@@ -168,6 +178,61 @@ def _upstream_errors(role: str, url: str, answer_timeout_s: float) -> Iterator[N
         raise _UpstreamFailure(502, role, url, _describe(exc)) from exc
 
 
+class _UnusedEntries:
+    """Deletes announced entries whose decode never got the request, on threads of its own."""
+
+    def __init__(self, config: KVRedisConfig | None) -> None:
+        self._config = config
+        self._buffer: RedisLookupBuffer | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def open(self) -> None:
+        """Connect to the Redis, if the proxy was given one."""
+        if self._config is None:
+            logger.info("no Redis given (--redis-url or KVREDIS_URL): an entry whose decode fails is left "
+                        "to its TTL")
+            return
+        self._buffer = RedisLookupBuffer(self._config)
+        # Threads of their own: a delete waits up to the pop bound for an entry still being written, and
+        # must not hold up the event loop's default executor, where aiohttp resolves upstream names.
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvredis-proxy-discard")
+
+    def close(self) -> None:
+        """Drop deletions not yet started and close the connections (what is left expires with its TTL)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._buffer is not None:
+            self._buffer.close()
+
+    def release(self, kv_transfer_params: Any, request_id: str) -> None:
+        """Delete, in the background, the entry ``kv_transfer_params`` announce (every rank's shard)."""
+        if self._buffer is None or self._pool is None:
+            return
+        try:
+            announced = read_announcement(kv_transfer_params)
+        except MalformedAnnouncement:
+            return
+        if announced is None or announced.entry_id is None or announced.digest is None:
+            return
+        for shard in announced.shards or ():
+            self._pool.submit(self._discard, self._buffer, request_id, announced.digest, announced.entry_id,
+                              shard)
+
+    def _discard(self, buffer: RedisLookupBuffer, request_id: str, digest: str, entry_id: str,
+                 shard: str) -> None:
+        assert self._config is not None
+        try:
+            # The prefill announces its entry before its writer is done: wait for it as a decode would.
+            deleted = buffer.discard_entry(digest, entry_id, wait_s=self._config.pop_timeout_s, prefix=shard)
+        except Exception as exc:  # a background thread: say so, or it vanishes in its future
+            logger.warning("request %s: could not delete entry %s, which its decode never took (%s); it "
+                           "expires with its TTL", request_id, entry_id, exc)
+            return
+        if deleted:
+            logger.info("request %s: deleted entry %s (%s), which its decode never took", request_id,
+                        entry_id, shard)
+
+
 class _Proxy:
     """Request handlers and the shared upstream client session of one proxy application."""
 
@@ -175,6 +240,7 @@ class _Proxy:
         self._config = config
         self._prefill = _UpstreamPool(config.prefill_urls, config.policy)
         self._decode = _UpstreamPool(config.decode_urls, config.policy)
+        self._unused = _UnusedEntries(config.redis_config)
         self._session: aiohttp.ClientSession | None = None
         self._prefill_timeout = aiohttp.ClientTimeout(
             total=config.prefill_timeout_s, sock_connect=config.connect_timeout_s
@@ -190,11 +256,13 @@ class _Proxy:
         # limit=0: the connector's default cap of 100 connections would queue the 101st concurrent stream,
         # and the queueing time would count against that request's upstream timeouts.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._unused.open()
         try:
             yield
         finally:
             await self._session.close()
             self._session = None
+            self._unused.close()
 
     @property
     def _http(self) -> aiohttp.ClientSession:
@@ -295,15 +363,21 @@ class _Proxy:
         """Send the request to a decode instance and relay its answer, streamed if the client asked so."""
         ttfb_s = self._config.decode_ttfb_timeout_s
         with self._decode.acquire() as url:
-            with _upstream_errors("decode", url, ttfb_s):
-                upstream, first = await asyncio.wait_for(
-                    self._open_decode(url + request.path, body, headers), timeout=ttfb_s
-                )
+            try:
+                with _upstream_errors("decode", url, ttfb_s):
+                    upstream, first = await asyncio.wait_for(
+                        self._open_decode(url + request.path, body, headers), timeout=ttfb_s
+                    )
+            except _UpstreamFailure:
+                self._unused.release(body.get("kv_transfer_params"), request_id)
+                raise
             try:
                 if not 200 <= upstream.status < 300:
                     logger.warning(
                         "request %s: decode upstream %s answered %d", request_id, url, upstream.status
                     )
+                    # vLLM answers an error before the request reaches its scheduler: nobody takes the entry.
+                    self._unused.release(body.get("kv_transfer_params"), request_id)
                 content_type = upstream.headers.get(hdrs.CONTENT_TYPE, "application/octet-stream")
                 if body.get("stream") is not True:
                     with _upstream_errors("decode", url, ttfb_s):

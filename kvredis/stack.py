@@ -281,7 +281,8 @@ def _engine_spec(
 
 
 def _proxy_spec(
-    options: StackOptions, port: int, prefill_urls: str | Sequence[str], decode_urls: str | Sequence[str]
+    options: StackOptions, port: int, prefill_urls: str | Sequence[str], decode_urls: str | Sequence[str],
+    redis_url: str | None = None,
 ) -> ChildSpec:
     url = f"http://{options.host}:{port}"
     prefills = [prefill_urls] if isinstance(prefill_urls, str) else list(prefill_urls)
@@ -294,7 +295,10 @@ def _proxy_spec(
     argv += ["--host", options.host, "--port", str(port)]
     if options.policy != "round_robin":
         argv += ["--policy", options.policy]
-    return ChildSpec("proxy", argv, url, lambda: http_ok(url + "/health"), startup_timeout_s=_PROXY_STARTUP_S)
+    # The Redis goes in the environment (as for the engines), not the command line, which `ps` shows.
+    env = {"KVREDIS_URL": redis_url} if redis_url else {}
+    return ChildSpec("proxy", argv, url, lambda: http_ok(url + "/health"), env,
+                     startup_timeout_s=_PROXY_STARTUP_S)
 
 
 @contextlib.contextmanager
@@ -354,7 +358,7 @@ def open_stack(
         prefill_urls = [spec.url for spec in engines[: options.prefill_instances]]
         decode_urls = [spec.url for spec in engines[options.prefill_instances :]]
         phases.append(engines)
-        phases.append([_proxy_spec(options, proxy_port, prefill_urls, decode_urls)])
+        phases.append([_proxy_spec(options, proxy_port, prefill_urls, decode_urls, engine_redis_url)])
         supervisor = Supervisor(phases, log_dir, stop_grace_s=options.stop_grace_s, out=out)
         running = RunningStack(
             supervisor, phases[-1][0].url, prefill_urls[0], decode_urls[0], redis_url, redis_kind,

@@ -59,10 +59,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvredis.announcement import Announcement, MalformedAnnouncement, read_announcement
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError, KVRedisError
-from kvredis.keys import CacheIdentity, KeySpace, check_entry_id, new_entry_id
+from kvredis.keys import CacheIdentity, KeySpace, new_entry_id, prompt_digest
 from kvredis.paged import PagedLayout, block_span
 from kvredis.request_keys import AdapterDigests, request_context
 
@@ -89,9 +90,6 @@ def _log_through_vllm() -> None:
 
 SUPPORTED_VLLM = ((0, 32), (0, 34))
 """The oldest and newest vLLM minor versions this connector is tested against, inclusive."""
-
-TRANSFER_PARAM = "kvredis"
-"""The key under which the producer announces an entry in ``kv_transfer_params``."""
 
 _SHUTDOWN_WAIT_S = 30.0
 _LOOKUP_PAUSE_S = 10.0
@@ -192,13 +190,6 @@ class _RequestState:
     announcement: _Announcement | None
 
 
-_IDENTITY_FIELDS = {
-    "namespace": "namespace", "model": "model", "kv_dtype": "KV dtype", "layout": "page layout",
-    "block_size": "block size", "tp_size": "tensor-parallel size", "format_version": "entry format",
-}
-"""The fields an announcement carries about the producer's engine, and how a warning names them."""
-_SHARD_PREFIX = re.compile(r"\A[A-Za-z0-9_.-]{1,64}:[0-9a-f]{16}\Z")
-_MAX_SHARDS = 1024
 
 
 def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0) -> CacheIdentity:
@@ -510,10 +501,9 @@ class KVRedisConnector(KVConnectorBase_V1):
         if state is None:
             context = request_context(request, self._adapters)
             params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
-            announced = params.get(TRANSFER_PARAM)
             state = self._requests[request.request_id] = _RequestState(
                 context.digest, context.unsupported, bool(params.get("do_remote_decode")),
-                self._announcement(request.request_id, announced, context.digest) if self._consumer else None)
+                self._announcement(request.request_id, params, context.digest) if self._consumer else None)
             if context.unsupported:
                 self.counts.add(skipped_requests=1)
                 self._warn_once(("unsupported", context.unsupported),
@@ -522,45 +512,31 @@ class KVRedisConnector(KVConnectorBase_V1):
                                 context.unsupported)
         return state
 
-    def _announcement(self, req_id: str, announced: Any, context: str) -> _Announcement | None:
+    def _announcement(self, req_id: str, params: Any, context: str) -> _Announcement | None:
         """What the producer said of its entry, checked against this engine and this request's ``context``
         digest; ``None`` if nothing."""
+        try:
+            announced = read_announcement(params)
+        except MalformedAnnouncement as exc:
+            logger.warning("request %s: ignoring %s", req_id, exc)
+            return None
         if announced is None:
             return None
-        if not isinstance(announced, dict):
-            logger.warning("request %s: ignoring a malformed kvredis announcement %r", req_id, announced)
-            return None
-        entry_id = announced.get("entry")
-        try:
-            entry_id = None if entry_id is None else check_entry_id(entry_id)
-        except ValueError:
-            logger.warning("request %s: ignoring an announcement naming entry %r", req_id, entry_id)
-            return None
-        engine = announced.get("engine")
-        differences = []
-        if isinstance(engine, dict):
-            ours = self._engine_description()
-            differences = [f"{label} {engine.get(name)!r} on prefill, {ours[name]!r} here"
-                           for name, label in _IDENTITY_FIELDS.items() if engine.get(name) != ours[name]]
-        written_for = announced.get("context")
-        if isinstance(written_for, str) and written_for != context:
+        if announced.context is not None and announced.context != context:
             # An entry announced for another adapter, tenant or set of images (a proxy or client mixing up
             # requests): its key differs from this request's, so no pop could find it. Compute at once.
             self.counts.add(skipped_requests=1)
             self._warn_once(("context",), "request %s: its announcement names an entry written for another "
                             "LoRA adapter, cache_salt or multimodal input; computing the prompt here", req_id)
-            return _Announcement(entry_id, ["context"], [])
-        shards = announced.get("shards")
-        if not (isinstance(shards, list) and len(shards) <= _MAX_SHARDS
-                and all(isinstance(shard, str) and _SHARD_PREFIX.match(shard) for shard in shards)):
-            shards = list(self._shards)
+            return _Announcement(announced.entry_id, ["context"], [])
+        differences = announced.differences(self._engine_description())
         if differences:
             self.counts.add(skipped_requests=1)
             self._warn_once(("engine", *differences),
                             "request %s: its KV was written by a prefill engine configured differently (%s); "
                             "such requests are computed here, without waiting for Redis", req_id,
                             "; ".join(differences))
-        return _Announcement(entry_id, differences, shards)
+        return _Announcement(announced.entry_id, differences, list(announced.shards or self._shards))
 
     def _engine_description(self) -> dict[str, Any]:
         """This engine's side of an announcement (rank 0's identity, less the rank)."""
@@ -691,10 +667,11 @@ class KVRedisConnector(KVConnectorBase_V1):
         if req_id in self._saved:
             entry_id = self._saved.pop(req_id)
             if entry_id is not None:
-                params = {TRANSFER_PARAM: {"prompt_tokens": len(request.prompt_token_ids or ()),
-                                           "entry": entry_id, "engine": self._engine_description(),
-                                           "context": state.context if state is not None else None,
-                                           "shards": list(self._shards)}}
+                context = state.context if state is not None else ""
+                tokens = _token_list(request.prompt_token_ids)
+                params = Announcement(
+                    entry_id, prompt_digest(tokens, None, context), context, self._engine_description(),
+                    tuple(self._shards), len(tokens)).to_params()
         return req_id in self._loading, params
 
     # -- worker side ------------------------------------------------------------------------------
@@ -900,12 +877,11 @@ class KVRedisConnector(KVConnectorBase_V1):
         if state is not None:  # seen before: its announcement may have been taken or found unusable
             announcement = state.announcement
             return announcement is not None and not announcement.differences and not state.unsupported
-        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
-        announced = params.get(TRANSFER_PARAM)
-        if not isinstance(announced, dict):
+        try:
+            announced = read_announcement(request.kv_transfer_params)
+        except MalformedAnnouncement:
             return False
-        engine, ours = announced.get("engine"), self._engine_description()
-        return not isinstance(engine, dict) or all(engine.get(key) == ours[key] for key in _IDENTITY_FIELDS)
+        return announced is not None and not announced.differences(self._engine_description())
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

@@ -20,9 +20,14 @@ from typing import Any, TypeVar
 import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
+import torch  # noqa: E402
 from aiohttp import web  # noqa: E402
 
+from kvredis.announcement import TRANSFER_PARAM, Announcement  # noqa: E402
+from kvredis.buffer import RedisLookupBuffer  # noqa: E402
+from kvredis.config import KVRedisConfig  # noqa: E402
 from kvredis.errors import ConfigError  # noqa: E402
+from kvredis.keys import new_entry_id, prompt_digest  # noqa: E402
 from kvredis.proxy import ProxyConfig, start_proxy  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -496,3 +501,115 @@ def test_run_proxy_stops_cleanly_on_signal(signum: int) -> None:
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+# -- entries whose decode never took them ------------------------------------------------------------
+
+
+@pytest.fixture
+def announced_entry(
+    real_redis_url: str, namespace: str
+) -> Iterator[tuple[RedisLookupBuffer, dict[str, Any]]]:
+    """A chunked entry in the real Redis, announced as a prefill announces it; a buffer of its namespace."""
+    buffer = RedisLookupBuffer(KVRedisConfig.from_env({}, {"url": real_redis_url, "namespace": namespace,
+                                                           "chunk_bytes": 4096}))
+    tokens = torch.arange(40)
+    entry_id = new_entry_id()
+    buffer.insert(tokens, None, torch.randn(8, 1024), None, None, entry_id=entry_id)
+    shards = (buffer.keyspace.prefix,)
+    params = Announcement(entry_id, prompt_digest(tokens), "", None, shards, 40).to_params()
+    assert len(_keys_of(buffer)) > 2, "the entry is chunked: a record and several pieces"
+    yield buffer, params
+    buffer.store.delete(_keys_of(buffer))
+    buffer.close()
+
+
+def _keys_of(buffer: RedisLookupBuffer) -> list[str]:
+    return list(buffer.store.scan(buffer.keyspace.namespace_pattern))
+
+
+async def _until_gone(buffer: RedisLookupBuffer) -> None:
+    while await asyncio.to_thread(_keys_of, buffer):
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("failure", ["refused", "error status", "no first bytes"])
+def test_an_entry_whose_decode_failed_is_deleted(
+    announced_entry: tuple[RedisLookupBuffer, dict[str, Any]], refused_url: str, real_redis_url: str,
+    failure: str,
+) -> None:
+    """The decode never got the request (or refused it): the proxy deletes the announced entry, record and
+    pieces, instead of leaving it to its TTL."""
+    buffer, params = announced_entry
+
+    async def scenario() -> None:
+        async with deployment(decode_urls=[refused_url] if failure == "refused" else None,
+                              decode_ttfb_timeout_s=0.3,
+                              redis_config=KVRedisConfig.from_env({}, {"url": real_redis_url})) as d:
+            d.prefill[0].kv_params = params
+            if failure == "error status":
+                d.decode[0].status = 400
+            if failure == "no first bytes":
+                d.decode[0].hang = True
+            status, _ = await d.post("/v1/completions", COMPLETION)
+            assert status == {"refused": 502, "error status": 400, "no first bytes": 504}[failure]
+            await _until_gone(buffer)
+
+    run(scenario())
+
+
+def test_an_entry_whose_decode_answered_is_left_to_the_decode(
+    announced_entry: tuple[RedisLookupBuffer, dict[str, Any]], real_redis_url: str,
+) -> None:
+    """A decode that answered took the request: the entry is its connector's to load or delete."""
+    buffer, params = announced_entry
+    before = _keys_of(buffer)
+
+    async def scenario() -> None:
+        async with deployment(redis_config=KVRedisConfig.from_env({}, {"url": real_redis_url})) as d:
+            d.prefill[0].kv_params = params
+            status, _ = await d.post("/v1/completions", COMPLETION)
+            assert status == 200
+            assert d.decode[0].journal[-1].body["kv_transfer_params"] == params
+
+    run(scenario())
+    assert sorted(_keys_of(buffer)) == sorted(before)
+
+
+def test_without_a_redis_a_failed_decode_leaves_the_entry(
+    announced_entry: tuple[RedisLookupBuffer, dict[str, Any]], refused_url: str,
+) -> None:
+    buffer, params = announced_entry
+    before = _keys_of(buffer)
+
+    async def scenario() -> None:
+        async with deployment(decode_urls=[refused_url]) as d:
+            d.prefill[0].kv_params = params
+            status, _ = await d.post("/v1/completions", COMPLETION)
+            assert status == 502
+
+    run(scenario())
+    assert sorted(_keys_of(buffer)) == sorted(before)
+
+
+@pytest.mark.parametrize("field", ["entry", "digest", "shards"])
+def test_a_malformed_announcement_deletes_nothing(
+    announced_entry: tuple[RedisLookupBuffer, dict[str, Any]], refused_url: str, real_redis_url: str,
+    field: str,
+) -> None:
+    """A digest, entry id or key prefix that could name another key is never used to delete anything."""
+    buffer, params = announced_entry
+    before = _keys_of(buffer)
+    announced = dict(params[TRANSFER_PARAM])
+    announced[field] = {"entry": "../x", "digest": "*", "shards": ["kvredis:*"]}[field]
+
+    async def scenario() -> None:
+        async with deployment(decode_urls=[refused_url],
+                              redis_config=KVRedisConfig.from_env({}, {"url": real_redis_url})) as d:
+            d.prefill[0].kv_params = {TRANSFER_PARAM: announced}
+            status, _ = await d.post("/v1/completions", COMPLETION)
+            assert status == 502
+            await asyncio.sleep(0.3)
+
+    run(scenario())
+    assert sorted(_keys_of(buffer)) == sorted(before)

@@ -24,8 +24,8 @@ import torch
 from conftest import BLOCK_SIZE
 from redis_servers import RedisServer, free_port
 
+from kvredis.announcement import TRANSFER_PARAM
 from kvredis.tinymodel import prompt_text
-from kvredis.vllm import TRANSFER_PARAM
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST_TIMEOUT_S = 300.0

@@ -51,10 +51,11 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvredis import codec
+from kvredis.announcement import TRANSFER_PARAM
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.keys import new_entry_id
-from kvredis.vllm import TRANSFER_PARAM, KVRedisConnector
+from kvredis.vllm import KVRedisConnector
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 HEADS, WIDTH = 2, 128  # the tiny model's KV heads and 2 * head_size
@@ -347,7 +348,10 @@ def test_hit_loads_the_pages_and_schedules_the_last_token(make_engine, length: i
     assert TRANSFER_PARAM in params
     if length > TOKEN_BUDGET:
         assert len(producer.scheduled["p"]) > 1, "the prompt was meant to prefill in chunks"
-    assert len(redis_keys(consumer.redis_url, consumer.namespace)) >= 1
+    # The announcement names the entry's keys (the proxy deletes an entry whose decode failed by them).
+    announced = params[TRANSFER_PARAM]
+    record = f"{announced['shards'][0]}:{{{announced['digest']}}}:{announced['entry']}:q".encode()
+    assert record in redis_keys(consumer.redis_url, consumer.namespace)
 
     consumer.add("c", prompt, max_tokens=3, params=params)
     first = consumer.step()

@@ -13,6 +13,7 @@ After every test, no key is left in Redis except those the test left on purpose 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import openai
 import torch
 from engine_servers import (
     REPO,
+    TEST_TIMEOUT_ENV,
     Server,
     counter_delta,
     kv_transfer_config,
@@ -114,14 +116,17 @@ class Proxy:
                 self.process.wait(timeout=10)
 
 
-def start_proxy(folder: Path, name: str, prefill: Server, decode: Server) -> Proxy:
-    """``kvredis proxy`` as an operator starts it (the environment's console script)."""
+def start_proxy(folder: Path, name: str, prefill_url: str, decode_url: str, redis_url: str) -> Proxy:
+    """``kvredis proxy`` as an operator starts it (the environment's console script), given the Redis so
+    that it deletes the entries of decodes that fail."""
     port = free_port()
     log = folder / f"{name}.log"
-    command = [str(Path(sys.executable).with_name("kvredis")), "proxy", "--prefill", prefill.url,
-               "--decode", decode.url, "--port", str(port)]
+    command = [str(Path(sys.executable).with_name("kvredis")), "proxy", "--prefill", prefill_url,
+               "--decode", decode_url, "--port", str(port), "--redis-url", redis_url]
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        # The engines' long bounds (this VM stalls): a delete waits as long for an entry being written.
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env={**os.environ, **TEST_TIMEOUT_ENV})
     proxy = Proxy(process, port, log)
     wait_until(proxy.ready, 60, "kvredis proxy listening")
     return proxy
@@ -135,6 +140,7 @@ class Serving:
     other_block_prefill: Server  # block size 64, in front of the same decode through ``other_proxy``
     proxy: Proxy
     other_proxy: Proxy
+    dead_decode_proxy: Proxy  # in front of the prefill and a decode address that refuses connections
     redis: RedisServer
     namespace: str
     adapters: list[str] = field(default_factory=list)
@@ -186,16 +192,20 @@ def serving(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                      max_model_len=MAX_MODEL_LEN, single_process=True),
     ]
     proxies: list[Proxy] = []
+    refusing = socket.socket()  # bound, never listening: a decode that is down
+    refusing.bind(("127.0.0.1", 0))
     try:
         wait_ready(engines, START_TIMEOUT_S)
         prefill, decode, reference, other = engines
-        proxies += [start_proxy(folder, "proxy", prefill, decode),
-                    start_proxy(folder, "proxy-64", other, decode)]
-        yield Serving(prefill, decode, reference, other, proxies[0], proxies[1], redis_server, namespace,
-                      sorted(adapters))
+        proxies += [start_proxy(folder, "proxy", prefill.url, decode.url, redis_server.url),
+                    start_proxy(folder, "proxy-64", other.url, decode.url, redis_server.url),
+                    start_proxy(folder, "proxy-dead-decode", prefill.url,
+                                f"http://127.0.0.1:{refusing.getsockname()[1]}", redis_server.url)]
+        yield Serving(prefill, decode, reference, other, *proxies, redis_server, namespace, sorted(adapters))
     finally:
         for process in (*proxies, *engines):
             process.stop()
+        refusing.close()
         redis_server.__exit__(None, None, None)
 
 
@@ -440,6 +450,19 @@ def test_a_client_hanging_up_on_the_proxy_leaves_nothing_behind(serving: Serving
     followup = prompt_of(400, seed=850 + int(after_s * 10))
     assert complete(serving, serving.proxy, followup) == complete(serving, serving.reference, followup)
     serving.assert_no_keys()
+
+
+def test_a_decode_that_is_down_leaves_nothing_behind(serving: Serving) -> None:
+    """The prefill writes and announces the entry, the decode refuses the connection: the client gets a
+    502 and the proxy deletes the entry at once (it would otherwise wait out its TTL in Redis)."""
+    prompt = prompt_of(700, seed=870)
+    before = serving.prefill.counters()
+    with pytest.raises(openai.APIStatusError) as failed:
+        complete(serving, serving.dead_decode_proxy, prompt)
+    assert failed.value.status_code == 502
+    assert wait_counters(serving.prefill, before, {"saved_requests": 1}, timeout_s=60).get("saved_requests")
+    serving.assert_no_keys(timeout_s=60)
+    assert "which its decode never took" in serving.dead_decode_proxy.log.read_text()
 
 
 def test_a_request_aborted_while_its_load_is_in_flight(serving: Serving) -> None:

@@ -33,8 +33,8 @@ from engine_servers import (
 )
 
 from kvredis import codec
+from kvredis.announcement import TRANSFER_PARAM
 from kvredis.tinymodel import write_tiny_llama
-from kvredis.vllm import TRANSFER_PARAM
 
 TP = 2
 START_TIMEOUT_S = 300.0

@@ -1,0 +1,106 @@
+"""What a prefill tells its decode through vLLM's ``kv_transfer_params``: which entry it wrote, and for what.
+
+A producer's ``request_finished`` returns ``{"kvredis": {...}}``; the proxy relays it with the request to a
+decode, whose connector takes exactly that entry, and deletes it itself when the decode never got the
+request. Everything here is read from a peer, so each field is checked before it names a key:
+
+- ``entry``: the entry id (its record has a list of its own, :meth:`kvredis.keys.EntryKeys.entry_queue`);
+- ``digest``: the prompt digest its keys are under (tokens, roi and the request's context);
+- ``context``: the request's context digest (LoRA adapter, multimodal inputs, ``cache_salt``), so a decode
+  handed another request's announcement sees that it is not its own;
+- ``engine``: what decides whether the pages fit another engine (:data:`ENGINE_FIELDS`);
+- ``shards``: the key prefix of every rank that writes a shard (tensor and pipeline parallelism);
+- ``prompt_tokens``: the prompt's length, for logs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvredis.keys import check_digest, check_entry_id
+
+TRANSFER_PARAM = "kvredis"
+"""The key under which the producer announces an entry in ``kv_transfer_params``."""
+
+ENGINE_FIELDS = {
+    "namespace": "namespace", "model": "model", "kv_dtype": "KV dtype", "layout": "page layout",
+    "block_size": "block size", "tp_size": "tensor-parallel size", "format_version": "entry format",
+}
+"""The fields an announcement carries about the producer's engine, and how a warning names each."""
+
+_SHARD_PREFIX = re.compile(r"\A[A-Za-z0-9_.-]{1,64}:[0-9a-f]{16}\Z")
+_MAX_SHARDS = 1024
+
+
+class MalformedAnnouncement(ValueError):
+    """``kv_transfer_params`` carry a kvredis announcement that cannot be used (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A producer's announcement of one entry; ``None`` for a field it did not give (or gave unusable,
+    for ``digest``, ``context``, ``engine`` and ``shards``: a reader falls back on what it knows)."""
+
+    entry_id: str | None
+    digest: str | None = None
+    context: str | None = None
+    engine: Mapping[str, Any] | None = None
+    shards: tuple[str, ...] | None = None
+    prompt_tokens: int | None = None
+
+    def to_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` that announce this entry."""
+        fields = {"prompt_tokens": self.prompt_tokens, "entry": self.entry_id, "digest": self.digest,
+                  "context": self.context, "engine": dict(self.engine) if self.engine is not None else None,
+                  "shards": list(self.shards) if self.shards is not None else None}
+        return {TRANSFER_PARAM: {name: value for name, value in fields.items() if value is not None}}
+
+    def differences(self, engine: Mapping[str, Any]) -> list[str]:
+        """How the announcing engine differs from ``engine``, one phrase a field (empty: the pages fit).
+        An announcement without an engine description is taken to fit."""
+        if self.engine is None:
+            return []
+        return [f"{label} {self.engine.get(name)!r} on prefill, {engine.get(name)!r} here"
+                for name, label in ENGINE_FIELDS.items() if self.engine.get(name) != engine.get(name)]
+
+
+def read_announcement(params: Any) -> Announcement | None:
+    """The announcement in ``kv_transfer_params`` (``None`` where there is none); raises
+    :class:`MalformedAnnouncement` for one that names no usable entry."""
+    announced = params.get(TRANSFER_PARAM) if isinstance(params, Mapping) else None
+    if announced is None:
+        return None
+    if not isinstance(announced, Mapping):
+        raise MalformedAnnouncement(f"a malformed kvredis announcement {announced!r}")
+    entry_id = announced.get("entry")
+    try:
+        entry_id = None if entry_id is None else check_entry_id(entry_id)
+    except ValueError:
+        raise MalformedAnnouncement(f"an announcement naming entry {entry_id!r}") from None
+    digest = announced.get("digest")
+    try:
+        digest = None if digest is None else check_digest(digest)
+    except ValueError:
+        digest = None  # a reader that has the tokens does without it
+    context = announced.get("context")
+    engine = announced.get("engine")
+    tokens = announced.get("prompt_tokens")
+    return Announcement(
+        entry_id,
+        digest,
+        context if isinstance(context, str) else None,
+        engine if isinstance(engine, Mapping) else None,
+        _shards(announced.get("shards")),
+        tokens if type(tokens) is int else None,
+    )
+
+
+def _shards(shards: Any) -> tuple[str, ...] | None:
+    """Key prefixes a peer named, if every one has the shape of a key space's prefix."""
+    if (isinstance(shards, Sequence) and not isinstance(shards, str) and 0 < len(shards) <= _MAX_SHARDS
+            and all(isinstance(shard, str) and _SHARD_PREFIX.match(shard) for shard in shards)):
+        return tuple(shards)
+    return None

@@ -1,0 +1,71 @@
+"""The announcement a prefill hands its decode in ``kv_transfer_params``: written, read back, checked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvredis.announcement import (
+    TRANSFER_PARAM,
+    Announcement,
+    MalformedAnnouncement,
+    read_announcement,
+)
+from kvredis.keys import KeySpace, new_entry_id, prompt_digest
+
+ENGINE = {"namespace": "kvredis", "model": "m", "kv_dtype": "bfloat16", "layout": "cuda:-:default:mha",
+          "block_size": 16, "tp_size": 1, "format_version": 1}
+
+
+def _announcement(**changes: Any) -> Announcement:
+    fields: dict[str, Any] = {
+        "entry_id": new_entry_id(), "digest": prompt_digest([1, 2, 3]), "context": "", "engine": ENGINE,
+        "shards": (KeySpace("kvredis").prefix,), "prompt_tokens": 3,
+    }
+    return Announcement(**{**fields, **changes})
+
+
+def test_what_is_written_reads_back_the_same() -> None:
+    announced = _announcement()
+    params = announced.to_params()
+    assert set(params) == {TRANSFER_PARAM}
+    assert read_announcement(params) == announced
+    assert read_announcement({"do_remote_decode": True}) is None
+    assert read_announcement(None) is None
+
+
+@pytest.mark.parametrize("announced", ["entry", 7, ["entry"]])
+def test_an_announcement_that_is_not_a_map_is_malformed(announced: Any) -> None:
+    with pytest.raises(MalformedAnnouncement, match="malformed"):
+        read_announcement({TRANSFER_PARAM: announced})
+
+
+@pytest.mark.parametrize("entry", ["", "../../x", "A" * 16, 12, "0123456789abcdef0"])
+def test_an_entry_id_that_could_name_another_key_is_refused(entry: Any) -> None:
+    params = _announcement().to_params()
+    params[TRANSFER_PARAM]["entry"] = entry
+    with pytest.raises(MalformedAnnouncement, match="naming entry"):
+        read_announcement(params)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("digest", "*"), ("digest", "0" * 31), ("digest", 5),
+    ("shards", ["kvredis:*"]), ("shards", "kvredis:0123456789abcdef"), ("shards", []),
+    ("shards", ["x" * 65 + ":0123456789abcdef"]), ("engine", "m"), ("context", 3), ("prompt_tokens", True),
+])
+def test_an_unusable_field_reads_as_not_given(field: str, value: Any) -> None:
+    """A reader falls back on what it knows (its own shards, the tokens it has) instead of using it."""
+    params = _announcement().to_params()
+    params[TRANSFER_PARAM][field] = value
+    announced = read_announcement(params)
+    assert announced is not None
+    assert getattr(announced, field) is None
+
+
+def test_differences_name_each_field_that_differs() -> None:
+    announced = _announcement(engine={**ENGINE, "block_size": 64, "kv_dtype": "float16"})
+    assert announced.differences(ENGINE) == ["KV dtype 'float16' on prefill, 'bfloat16' here",
+                                             "block size 64 on prefill, 16 here"]
+    assert _announcement().differences(ENGINE) == []
+    assert _announcement(engine=None).differences(ENGINE) == []
