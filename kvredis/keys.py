@@ -41,10 +41,14 @@ class CacheIdentity:
     tp_rank: int = 0
     tp_size: int = 1
     format_version: int = FORMAT_VERSION
+    weights: str = ""  # what else decides the KV a model computes: weights' dtype, quantization, rope...
 
     def digest(self) -> str:
         """A short stable hex digest of every field (part of each key)."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = asdict(self)
+        if not self.weights:
+            del fields["weights"]  # identities that do not say keep the keys they always had
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(canonical, digest_size=8).hexdigest()
 
 

@@ -38,6 +38,8 @@ metrics") and serves them on ``/metrics`` as ``vllm:kvredis_<name>_total``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 import threading
@@ -222,7 +224,27 @@ def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0) -> C
         block_size=int(cache_config.block_size),
         tp_rank=tp_rank,
         tp_size=int(parallel.tensor_parallel_size),
+        weights=_weights(model_config),
     )
+
+
+_POSITIONAL_SETTINGS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
+                        "max_position_embeddings", "num_hidden_layers")
+"""Model settings that change the keys every layer caches (rotary embeddings are applied to K before it is
+cached), and which ``--hf-overrides`` can change without changing the model's path."""
+
+
+def _weights(model_config: Any) -> str:
+    """What besides the model's path decides the KV its layers compute: the weights' dtype, revision and
+    quantization, and a digest of the positional settings (two engines differing in any of them compute
+    different KV for the same tokens)."""
+    text_config = getattr(model_config, "hf_text_config", None)
+    settings = {name: getattr(text_config, name, None) for name in _POSITIONAL_SETTINGS}
+    canonical = json.dumps(settings, sort_keys=True, default=str, separators=(",", ":")).encode()
+    digest = hashlib.blake2b(canonical, digest_size=6).hexdigest()
+    dtype = str(getattr(model_config, "dtype", "")).removeprefix("torch.")
+    return (f"dtype {dtype}, revision {getattr(model_config, 'revision', None)}, "
+            f"quantization {getattr(model_config, 'quantization', None)}, positions {digest}")
 
 
 def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
@@ -543,7 +565,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         identity = self.identity
         return {"namespace": self.config.namespace, "model": identity.model, "kv_dtype": identity.kv_dtype,
                 "layout": identity.layout, "block_size": identity.block_size, "tp_size": identity.tp_size,
-                "format_version": identity.format_version}
+                "format_version": identity.format_version, "weights": identity.weights}
 
     def _warn_once(self, cause: tuple[str, ...], message: str, *args: Any) -> None:
         if cause not in self._warned:

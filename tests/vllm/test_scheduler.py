@@ -280,11 +280,14 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
     engines: list[Engine] = []
 
     def make(role: str, url: str = real_redis_url, policy: str = "recompute", num_blocks: int = NUM_BLOCKS,
-             scheduler_settings: dict[str, Any] | None = None, **settings: Any) -> Engine:
-        """``scheduler_settings``: more of ``SchedulerConfig``'s fields; ``settings``: the connector's."""
+             scheduler_settings: dict[str, Any] | None = None, model_settings: dict[str, Any] | None = None,
+             **settings: Any) -> Engine:
+        """``scheduler_settings`` and ``model_settings``: more of ``SchedulerConfig``'s and ``ModelConfig``'s
+        fields; ``settings``: the connector's."""
         extra = {"url": url, "namespace": namespace, "pop_timeout_s": 2.0, **settings}
         vllm_config = VllmConfig(
-            model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN),
+            model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN,
+                                     **(model_settings or {})),
             scheduler_config=SchedulerConfig(**{
                 "max_num_seqs": 8, "max_num_batched_tokens": TOKEN_BUDGET, "max_model_len": MAX_LEN,
                 "enable_chunked_prefill": True, "is_encoder_decoder": False, **(scheduler_settings or {})}),
@@ -837,6 +840,34 @@ def test_an_entry_from_an_engine_configured_differently_is_not_waited_for(make_e
     producer.assert_empty()
     consumer.assert_empty()
     assert consumer.stats["skipped_requests"] == 2 and consumer.stats["discarded_entries"] == 2
+
+
+def test_an_entry_from_a_model_with_other_positions_is_not_loaded(make_engine, caplog) -> None:
+    """Same model path, dtype and layout, but the prefill's rotary embeddings were changed with
+    ``--hf-overrides`` (its cached keys differ for every token): the decode computes the prompt, says why
+    once, and the entry is deleted; an engine alike in every setting still loads."""
+    positions = {"hf_overrides": {"rope_parameters": {"rope_theta": 20000.0, "rope_type": "default"}}}
+    producer = make_engine("kv_producer", model_settings=positions)
+    consumer = make_engine("kv_consumer", pop_timeout_s=60.0)
+    assert producer.worker.identity.digest() != consumer.worker.identity.digest()
+    prompt = prompt_of(70, seed=61)
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        consumer.add("c", prompt, max_tokens=1, params=producer.produce("p", prompt))
+        assert consumer.step().num_scheduled_tokens["c"] == 70  # computed now, nothing awaited
+        consumer.finish("c")
+    said = [r.getMessage() for r in caplog.records if "configured differently" in r.getMessage()]
+    assert len(said) == 1 and "model weights and settings" in said[0], said
+    consumer.wait_discarded()
+    consumer.assert_empty()  # one more step reports the counts of the discard
+    assert consumer.stats["skipped_requests"] == 1 and consumer.stats["discarded_entries"] == 1
+
+    alike = make_engine("kv_consumer", model_settings=positions)
+    prompt = prompt_of(70, seed=62)
+    alike.add("c2", prompt, max_tokens=1, params=producer.produce("p2", prompt))
+    alike.run(lambda: "c2" in alike.recved)
+    assert alike.stats["loaded_requests"] == 1
+    alike.finish("c2")
+    assert_nothing_left(producer, consumer, alike)
 
 
 @pytest.mark.parametrize("hooked", ["none", "first-layer"])
