@@ -16,6 +16,11 @@ caches) and uses nothing here but :func:`device_for`, which answers ``None``. On
   to the device, writes them into the blocks and records an event; the load thread synchronises on it
   before the request is reported finished.
 
+The device tensors the side streams use are the registered caches (never freed while registered; before
+vLLM releases them in sleep mode the connector waits for the copies in flight) and temporaries allocated
+while the side stream is current (the caching allocator reuses their memory only behind that stream's
+work); the pinned buffers stay referenced until their event completed.
+
 Every device operation goes through :class:`Device`, which :class:`CudaDevice` implements over
 ``torch.cuda``; tests substitute a fake whose events complete when the test says so.
 """
@@ -223,7 +228,7 @@ class DeviceStaging:
         # The layer's KV for this step was queued on the forward's stream just before vLLM called the hook.
         self.device.wait_event(stream, self.device.record_event(self.device.current_stream()))
         for pages, out in copies:
-            key = tuple(int(page) for page in pages.tolist())  # host tensor: no device sync
+            key = tuple(pages.tolist())  # a host tensor: no device sync
             index = self._step_indices.get(key)
             if index is None:
                 index = self._step_indices[key] = self.device.upload_index(stream, pages)
