@@ -252,12 +252,19 @@ class DeviceStaging:
         return transfer
 
     def wait_saves(self) -> None:
-        """Block until every save copy queued so far ran (before vLLM releases the caches, at shutdown)."""
+        """Block until every save copy queued so far ran (before vLLM releases the caches); raises the first
+        failed copy's error once every transfer was waited for."""
         with self._lock:
             pending = list(self._saves)
             self._saves.clear()
+        failure: Exception | None = None
         for transfer in pending:
-            transfer.wait()
+            try:
+                transfer.wait()
+            except Exception as exc:  # a failed copy: the others must still be waited for
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     # -- loads (a load thread) -------------------------------------------------------------------------
 

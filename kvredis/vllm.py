@@ -993,7 +993,10 @@ class KVRedisConnector(KVConnectorBase_V1):
             logger.error("a load is still writing into the KV caches %g s after vLLM asked to release them",
                          _SHUTDOWN_WAIT_S)
         if self._staging is not None:
-            self._staging.wait_saves()
+            try:
+                self._staging.wait_saves()
+            except Exception as exc:  # a failed copy: its save already failed; sleep must go on
+                logger.error("a save's copy out of the KV caches failed: %s", exc)
 
     def restore_kv_caches(self) -> None:
         """After vLLM backed the KV caches again (wake-up): loads may write into them again. The registered

@@ -155,6 +155,24 @@ def test_a_writer_waits_for_the_steps_event_and_sleep_waits_for_every_save() -> 
     assert not asleep.is_alive() and torch.equal(outs[1][0], layer[4])
 
 
+def test_sleep_waits_for_every_save_even_after_a_failed_copy() -> None:
+    fake = FakeDevice(auto=True)
+    staging = DeviceStaging(fake)
+    layer = cache()
+    outs = [staging.host_empty((1, HEADS, BLOCK, WIDTH), torch.float32) for _ in range(2)]
+    error = RuntimeError("CUDA error: unspecified launch failure")
+    fake.fail_events = error
+    staging.save_layer(layer, [(pages(2), outs[0])])
+    first = staging.finish_saves()
+    staging.save_layer(layer, [(pages(4), outs[1])])
+    second = staging.finish_saves()
+    assert first is not None and second is not None
+    with pytest.raises(RuntimeError) as raised:
+        staging.wait_saves()
+    assert raised.value is error
+    assert second.event.query() and torch.equal(outs[1][0], layer[4])
+
+
 # -- loads -----------------------------------------------------------------------------------------
 
 
