@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -47,6 +47,9 @@ logger = logging.getLogger("kvredis.buffer")
 
 Entry = list[torch.Tensor | None]
 """``[input_tokens, roi, key, value, hidden]``, as the seed's ``drop_select`` returns it."""
+
+Allocate = Callable[[int], torch.Tensor]
+"""Returns an uninitialised contiguous CPU ``uint8`` tensor of the given byte count (``take``'s output)."""
 
 _MISS: tuple[None, None, None, None, None] = (None, None, None, None, None)
 _MIN_CHUNK, _MAX_CHUNK = 4096, 256 << 20  # KVREDIS_CHUNK_BYTES's range
@@ -147,11 +150,12 @@ class RedisLookupBuffer:
 
     def take(
         self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *, context: str = "",
-        entry_id: str | None = None,
+        entry_id: str | None = None, allocate: Allocate | None = None,
     ) -> tuple[Entry | None, str]:
         """:meth:`drop_select`, saying why nothing came: ``"absent"`` (no entry within the bound) or why the
         entry that came was dropped (``"corrupt"``, ``"foreign"``, ``"partial"``). With ``entry_id``, only
-        that announced entry is taken."""
+        that announced entry is taken. With ``allocate``, the payload is received into the memory it
+        returns (pinned host memory, for a GPU), and the tensors are views over it."""
         self._check_open()
         if input_tokens is None:
             raise ValueError("drop_select needs input_tokens: entries are looked up by their tokens")
@@ -176,7 +180,7 @@ class RedisLookupBuffer:
                     continue
                 if record is None:
                     break
-                entry, cause = self._read_entry(keys, record, tokens, mask, entry_id)
+                entry, cause = self._read_entry(keys, record, tokens, mask, entry_id, allocate)
                 if entry is not None:
                     self.metrics.loaded(codec.payload_size(entry), time.perf_counter() - started)
                     logger.debug("loaded an entry from %s", queue)
@@ -250,7 +254,7 @@ class RedisLookupBuffer:
 
     def _read_entry(
         self, keys: EntryKeys, record: bytes | bytearray, tokens: torch.Tensor, mask: torch.Tensor,
-        entry_id: str | None = None,
+        entry_id: str | None = None, allocate: Allocate | None = None,
     ) -> tuple[Entry | None, str]:
         """The entry in ``record``, or ``None`` and why it was dropped."""
         try:
@@ -269,8 +273,10 @@ class RedisLookupBuffer:
             pieces = header.meta.get("pieces", 0)
             if not pieces:
                 payload: Any = memoryview(record)[header.payload_offset:]
+                if allocate is not None and payload.nbytes == header.payload_nbytes:
+                    payload = _received(allocate, payload.nbytes, payload)
             else:
-                payload, cause = self._take_pieces(keys, header)
+                payload, cause = self._take_pieces(keys, header, allocate)
                 if payload is None:
                     self.metrics.dropped(cause)
                     return None, cause
@@ -286,7 +292,9 @@ class RedisLookupBuffer:
             return None, "foreign"
         return entry, "hit"
 
-    def _take_pieces(self, keys: EntryKeys, header: codec.Header) -> tuple[torch.Tensor | None, str]:
+    def _take_pieces(
+        self, keys: EntryKeys, header: codec.Header, allocate: Allocate | None = None
+    ) -> tuple[torch.Tensor | None, str]:
         """The entry's payload from its pieces, or ``None`` and why (``partial`` or ``corrupt``)."""
         meta = header.meta
         entry_id, chunk, count = meta.get("id"), meta.get("chunk"), meta.get("pieces")
@@ -299,7 +307,7 @@ class RedisLookupBuffer:
             raise CodecError(f"corrupt record: inconsistent piece layout {meta!r} for {total} bytes")
         piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
         sizes = [min(chunk, total - i * chunk) for i in range(count)]
-        out = torch.empty(total, dtype=torch.uint8)
+        out = torch.empty(total, dtype=torch.uint8) if allocate is None else _received(allocate, total)
         try:
             bad = self.store.take_pieces(piece_keys, sizes, out.numpy().data.cast("B"))
         except KVRedisError as exc:
@@ -385,6 +393,17 @@ def _pieces(frames: Sequence[memoryview], size: int) -> list[bytes | memoryview]
         pieces.append(pending[0] if len(pending) == 1 else b"".join(pending))
     return pieces
 
+
+
+def _received(allocate: Allocate, nbytes: int, data: memoryview | None = None) -> torch.Tensor:
+    """``allocate(nbytes)``, checked, holding a copy of ``data`` if given."""
+    out = allocate(nbytes)
+    if not (isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.uint8
+            and out.dim() == 1 and out.numel() == nbytes and out.is_contiguous()):
+        raise TypeError(f"take's allocate must return a contiguous CPU uint8 tensor of {nbytes} bytes")
+    if data is not None and nbytes:
+        out.numpy().data.cast("B")[:] = data
+    return out
 
 
 def _valid_entry_id(entry_id: object) -> bool:

@@ -10,7 +10,9 @@ the proxy sends them; every prompt with ``KVREDIS_STORE_ALL_PROMPTS``): ``save_k
 request's pages (whole blocks, see :mod:`kvredis.paged`) out of each layer as the layer finishes, and
 ``wait_for_save`` copies any layer whose hook did not run (a CUDA graph replays no Python) from the
 registered caches, then hands the prompt to a background thread that writes it to Redis, so the write
-overlaps the next step. The blocks are free to reuse as soon as the step ends (the pages were copied).
+overlaps the next step. The blocks are free to reuse as soon as the step ends (the pages were copied; on
+a GPU the copies are queued on a side stream into pinned memory, and every later kernel of the forward's
+stream waits for them: :mod:`kvredis.staging`).
 ``request_finished`` then tells the proxy, through ``kv_transfer_params``, which entry is on its way and
 what engine wrote it.
 
@@ -48,7 +50,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvredis import staging
 from kvredis.announcement import Announcement, MalformedAnnouncement, read_announcement
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
@@ -381,9 +384,10 @@ class _CacheWrites:
 
     vLLM 0.33+'s sleep mode releases the caches' memory between ``unregister_kv_caches`` and
     ``restore_kv_caches``. A load thread may be in its blocking pop then, or copying pages: ``close``
-    refuses every write from then on and waits for those in progress; a load refused fails (its blocks are
-    reported, vLLM recomputes them). Saves copy their pages out during the engine step, before vLLM can
-    sleep, so no background thread reads the caches.
+    refuses every write from then on and waits for those in progress (on a GPU, a write is in progress
+    until its copies ran); a load refused fails (its blocks are reported, vLLM recomputes them). Saves copy
+    their pages out during the engine step (on a GPU, queued then on a side stream, waited for at sleep), so
+    no background thread reads the caches.
     """
 
     def __init__(self) -> None:
@@ -473,6 +477,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         self._layouts: dict[str, PagedLayout] = {}
         self._layer_index: dict[str, int] = {}
         self._gathered: dict[str, _Capture] = {}
+        self._staging: staging.DeviceStaging | None = None  # on a CUDA device; None: pages move directly
         self._slots: dict[str, torch.Tensor] = {}
         # Loads may wait in a blocking pop for an entry still being written; saves have their own threads
         # so that waiting loads never hold them up (kv_both), nor saves the loads.
@@ -699,18 +704,25 @@ class KVRedisConnector(KVConnectorBase_V1):
     # -- worker side ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Remember each layer's paged tensor and its layout (the order is the layer order)."""
+        """Remember each layer's paged tensor and its layout (the order is the layer order), and how pages
+        move on their device: directly on the CPU, through pinned buffers on side streams on a GPU."""
         self._layers = dict(kv_caches)
         self._layouts = {name: PagedLayout.of(tensor) for name, tensor in kv_caches.items()}
         self._layer_index = {name: index for index, name in enumerate(self._layers)}
+        device = staging.device_for(kv_caches)
+        self._staging = staging.DeviceStaging(device) if device is not None else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start this step's loads on background threads; they finish through ``get_finished``."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRedisConnectorMetadata)
+        # On a GPU, a load's writes are queued after what the forward's stream holds now: vLLM zeroes newly
+        # allocated blocks on it before it starts loads (0.32-0.34, _zero_block_ids / the mixin's comment),
+        # and kernels of earlier steps (and their saves) may still read the blocks.
+        after = self._staging.mark_compute() if self._staging is not None and meta.loads else None
         for spec in meta.loads:
             try:
-                self._load_pool.submit(self._load, spec)
+                self._load_pool.submit(self._load, spec, after)
             except RuntimeError as exc:  # shut down: the request must still hear that nothing comes
                 self._load_failed(spec, f"the load could not start: {exc}")
 
@@ -721,6 +733,10 @@ class KVRedisConnector(KVConnectorBase_V1):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         """Copy the pages of prompts completing this step out of the layer, while the next layer computes."""
+        # vLLM (0.32-0.34, maybe_transfer_kv_layer) calls this right after the layer's attention op queued
+        # its KV writes, on the engine's thread with the forward's stream current; eagerly or between the
+        # pieces of a piecewise CUDA graph, never inside a full graph's replay (wait_for_save covers those
+        # layers), nor while graphs are captured (no metadata is bound then).
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVRedisConnectorMetadata) or not meta.saves:
             return
@@ -728,13 +744,17 @@ class KVRedisConnector(KVConnectorBase_V1):
         if index is None:  # not a layer registered with a paged cache
             return
         layout = self._layouts[layer_name]
+        staged: list[tuple[TransferSpec, torch.Tensor, _Capture]] = []
         for spec in meta.saves:
             pages = layout.kernel_blocks(self._prompt_blocks(spec), self._block_size)
             capture = self._gathered.get(spec.req_id)
             if capture is None:
                 # One buffer for every layer: the pages are copied once, straight into what is stored.
                 shape = (len(self._layer_index), len(pages), *layout.page_shape)
-                capture = self._gathered[spec.req_id] = _Capture(torch.empty(shape, dtype=kv_layer.dtype))
+                capture = self._gathered[spec.req_id] = _Capture(self._host_empty(shape, kv_layer.dtype))
+            if self._staging is not None:
+                staged.append((spec, pages, capture))
+                continue
             try:
                 if kv_layer.device.type == "cpu":
                     torch.index_select(kv_layer, 0, pages, out=capture.pages[index])
@@ -745,6 +765,30 @@ class KVRedisConnector(KVConnectorBase_V1):
                 logger.warning("request %s: cannot copy the pages of %s: %s", spec.req_id, layer_name, exc)
             else:
                 capture.layers.add(layer_name)
+        if staged:
+            self._stage_layer(layer_name, kv_layer, index, staged)
+
+    def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for a prompt's pages: pinned where a device copies into it asynchronously."""
+        if self._staging is not None:
+            return self._staging.host_empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype)
+
+    def _stage_layer(self, layer_name: str, kv_layer: torch.Tensor, index: int,
+                     staged: list[tuple[TransferSpec, torch.Tensor, _Capture]]) -> None:
+        """Queue the copies of the layer's pages on the device's save stream (no host sync here; the step's
+        one event is recorded in ``wait_for_save``)."""
+        assert self._staging is not None
+        try:
+            self._staging.save_layer(kv_layer, [(pages, capture.pages[index])
+                                                for _, pages, capture in staged])
+        except (RuntimeError, ValueError) as exc:  # a layer whose pages differ from the first one's
+            for spec, _, capture in staged:
+                capture.broken = True
+                logger.warning("request %s: cannot copy the pages of %s: %s", spec.req_id, layer_name, exc)
+        else:
+            for _, _, capture in staged:
+                capture.layers.add(layer_name)
 
     def _prompt_blocks(self, spec: TransferSpec) -> list[int]:
         return [spec.block_ids[i] for i in block_span(self._block_size, spec.start, spec.stop)]
@@ -754,16 +798,19 @@ class KVRedisConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVRedisConnectorMetadata):
             return
+        captured: list[tuple[TransferSpec, torch.Tensor]] = []
         for spec in meta.saves:
             capture = self._gathered.pop(spec.req_id, None)
             try:
-                pages = self._whole_capture(spec, capture)
+                captured.append((spec, self._whole_capture(spec, capture)))
             except Exception as exc:  # a save that cannot be made must not fail the engine's step
                 self.counts.add(save_failures=1)
                 logger.warning("request %s: cannot copy its KV out of the caches, not saving it: %s",
                                spec.req_id, exc)
-                continue
-            future = self._save_pool.submit(self._save, spec, pages)
+        # On a GPU: the step's one event, which the compute stream waits for; the writers wait for it.
+        copied = self._staging.finish_saves() if self._staging is not None else None
+        for spec, pages in captured:
+            future = self._save_pool.submit(self._save, spec, pages, copied)
             with self._lock:
                 self._saves_in_flight.add(future)
             future.add_done_callback(self._forget_save)
@@ -783,9 +830,14 @@ class KVRedisConnector(KVConnectorBase_V1):
         pages = first.kernel_blocks(self._prompt_blocks(spec), self._block_size)
         if capture is None:
             shape = (len(names), len(pages), *first.page_shape)
-            capture = _Capture(torch.empty(shape, dtype=self._layers[names[0]].dtype))
+            capture = _Capture(self._host_empty(shape, self._layers[names[0]].dtype))
         for index, name in enumerate(names):
-            if name not in capture.layers:
+            if name in capture.layers:
+                continue
+            if self._staging is not None:
+                # Queued on the save stream behind what the step's forward (a graph replay) queued.
+                self._staging.save_layer(self._layers[name], [(pages, capture.pages[index])])
+            else:
                 capture.pages[index].copy_(self._layouts[name].gather(self._layers[name], pages))
         return capture.pages
 
@@ -793,10 +845,17 @@ class KVRedisConnector(KVConnectorBase_V1):
         with self._lock:
             self._saves_in_flight.discard(future)
 
-    def _save(self, spec: TransferSpec, pages: torch.Tensor) -> None:
+    def _on_device(self) -> AbstractContextManager[None]:
+        """Binds a background thread to the caches' device (a no-op on the CPU)."""
+        return self._staging.bound() if self._staging is not None else nullcontext()
+
+    def _save(self, spec: TransferSpec, pages: torch.Tensor, copied: staging.Transfer | None = None) -> None:
         try:
-            self.buffer.insert(torch.tensor(spec.token_ids, dtype=torch.long), None, pages, None, None,
-                               context=spec.context, entry_id=spec.entry_id)
+            with self._on_device():
+                if copied is not None:
+                    copied.wait()  # the step's copies into ``pages`` ran (this thread waits, not the engine)
+                self.buffer.insert(torch.tensor(spec.token_ids, dtype=torch.long), None, pages, None, None,
+                                   context=spec.context, entry_id=spec.entry_id)
         except KVRedisError as exc:
             self.counts.add(save_failures=1)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
@@ -808,9 +867,10 @@ class KVRedisConnector(KVConnectorBase_V1):
         else:
             self.counts.add(saved_requests=1, saved_tokens=len(spec.token_ids))
 
-    def _load(self, spec: TransferSpec) -> None:
+    def _load(self, spec: TransferSpec, after: staging.Event | None = None) -> None:
         try:
-            cause = self._load_into_blocks(spec)
+            with self._on_device():
+                cause = self._load_into_blocks(spec, after)
         except KVRedisError as exc:
             cause = str(exc)
         except Exception as exc:  # a load must never take the engine down: recompute instead.
@@ -835,10 +895,12 @@ class KVRedisConnector(KVConnectorBase_V1):
         logger.warning("request %s: KV of %d tokens not loaded from Redis (%s); vLLM recomputes them",
                        spec.req_id, spec.stop - spec.start, cause)
 
-    def _load_into_blocks(self, spec: TransferSpec) -> str | None:
-        """Take the entry and write its pages into the blocks; returns why not, or ``None`` on success."""
-        entry, cause = self.buffer.take(torch.tensor(spec.token_ids, dtype=torch.long), None,
-                                        context=spec.context, entry_id=spec.entry_id)
+    def _load_into_blocks(self, spec: TransferSpec, after: staging.Event | None = None) -> str | None:
+        """Take the entry and write its pages into the blocks; returns why not, or ``None`` on success (on a
+        GPU, once the copies ran: the request is reported finished only then)."""
+        entry, cause = self.buffer.take(
+            torch.tensor(spec.token_ids, dtype=torch.long), None, context=spec.context,
+            entry_id=spec.entry_id, allocate=self._staging.host_bytes if self._staging is not None else None)
         if entry is None:
             if cause == "absent":
                 return f"no entry within {self.config.pop_timeout_s:g} s (missing, expired or evicted)"
@@ -861,9 +923,19 @@ class KVRedisConnector(KVConnectorBase_V1):
         span = block_span(self._block_size, spec.start, spec.stop)
         targets = layout.kernel_blocks(self._prompt_blocks(spec), self._block_size)
         sources = layout.kernel_blocks(list(span), self._block_size)
-        with self._cache_writes.writing():
-            for index, name in enumerate(names):
-                self._layouts[name].scatter(self._layers[name], targets, stored[index, sources])
+        with self._cache_writes.writing():  # held until the copies ran: vLLM may release the caches after
+            if self._staging is None:
+                for index, name in enumerate(names):
+                    self._layouts[name].scatter(self._layers[name], targets, stored[index, sources])
+            else:
+                # The sources are consecutive pages (a block span): a slice of each layer's pinned pages is
+                # one contiguous pinned range, copied to the device without a pageable intermediate.
+                first = int(sources[0]) if len(sources) else 0
+                if len(sources) and int(sources[-1]) != first + len(sources) - 1:
+                    raise KVRedisError(f"the pages to load are not consecutive: {sources.tolist()}")
+                pages = slice(first, first + len(sources))
+                self._staging.load([(self._layers[name], stored[index, pages])
+                                    for index, name in enumerate(names)], targets, after)
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -913,10 +985,16 @@ class KVRedisConnector(KVConnectorBase_V1):
     def unregister_kv_caches(self) -> None:
         """Before vLLM releases the KV caches (sleep): stop loads from writing into them, and wait for the
         writes in progress. A load still waiting for its entry fails when the entry comes (its blocks are
-        reported, so vLLM recomputes them). Idempotent."""
+        reported, so vLLM recomputes them). On a GPU, also wait for the save copies still reading the caches
+        on the save stream. Idempotent."""
         if not self._cache_writes.close(_SHUTDOWN_WAIT_S):
             logger.error("a load is still writing into the KV caches %g s after vLLM asked to release them",
                          _SHUTDOWN_WAIT_S)
+        if self._staging is not None:
+            try:
+                self._staging.wait_saves()
+            except Exception as exc:  # a failed copy: its save already failed; sleep must go on
+                logger.error("a save's copy out of the KV caches failed: %s", exc)
 
     def restore_kv_caches(self) -> None:
         """After vLLM backed the KV caches again (wake-up): loads may write into them again. The registered

@@ -26,6 +26,13 @@ key+value bytes (10^6 B/s) over write + read time.
     python scripts/bench_transfer.py --large --json out.json
     python scripts/bench_transfer.py --sweep-only          # piece size x in-flight bytes at 128 MiB
     python scripts/bench_transfer.py --phases              # where kvredis spends its time, per phase
+    python scripts/bench_transfer.py --device cuda         # the entry on the GPU (kvredis and memcpy only)
+
+With ``--device cuda`` the entry lives on the GPU, as a V1 connector's pages do: ``kvredis``'s writer
+copies it into pinned host memory (``non_blocking``, then waits for the stream) and inserts that, and its
+reader receives into pinned memory (``take(allocate=...)``) and copies the tensors to the GPU; ``memcpy``
+becomes a device-to-host-to-device copy through a preallocated pinned buffer. The other paths and the
+targets are the CPU path's, so they are left out.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ LAYERS, KV_HEADS, HEAD_DIM, ELEMENT = 32, 8, 128, 2  # Llama-3-8B-sized KV cache
 TOKEN_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * ELEMENT  # key + value bytes per token: 128 KiB
 LAYER_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * ELEMENT  # key + value bytes per token per layer: 4 KiB
 PATHS = ("kvredis", "raw-socket", "naive", "raw-A", "raw-B", "memcpy")
+CUDA_PATHS = ("kvredis", "memcpy")  # the paths --device cuda runs
+DEVICE_ENV = "KVREDIS_BENCH_DEVICE"  # how a worker process learns the entry's device
 DEFAULT_SIZES = "64KiB,1MiB,16MiB,128MiB"
 REDIS_MAX_BULK = 512 << 20  # proto-max-bulk-len's default: one value cannot be larger
 RAW_B_PIECE = 1 << 20
@@ -205,9 +214,29 @@ class KVRedisPath(Path):
         self.buffer.store.ping()  # the connections entries move over, outside the timed phase
 
     def run(self, tag: str) -> Any:
+        if self.kv.is_cuda:
+            return self._run_cuda()
         if self.role == "write":
             return self.buffer.insert(self.tokens, None, self.kv[0], self.kv[1], None)
         return self.buffer.drop_select(self.tokens, None)
+
+    def _run_cuda(self) -> Any:
+        """The GPU entry staged through pinned host memory each way, as the V1 connector does."""
+        import torch
+
+        stream = torch.cuda.current_stream()
+        if self.role == "write":
+            host = torch.empty(self.kv.shape, dtype=self.kv.dtype, pin_memory=True)
+            host.copy_(self.kv, non_blocking=True)
+            stream.synchronize()
+            return self.buffer.insert(self.tokens, None, host[0], host[1], None)
+        entry, _ = self.buffer.take(self.tokens, None,
+                                    allocate=lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        if entry is None:
+            return [None] * 5
+        key, value = (tensor.to(self.kv.device, non_blocking=True) for tensor in entry[2:4])
+        stream.synchronize()
+        return [entry[0], entry[1], key, value, None]
 
     def verify(self, result: Any) -> bool:
         if self.role == "write":
@@ -335,8 +364,18 @@ class MemcpyPath(Path):
         torch.set_num_threads(1)
         self.out = torch.empty_like(self.kv)
         self.out.view(torch.uint8).fill_(0)  # touch every page before the phase
+        if self.kv.is_cuda:  # device to host to device, through a pinned buffer like kvredis's
+            self.host = torch.empty(self.kv.shape, dtype=self.kv.dtype, pin_memory=True)
+            self.host.view(torch.uint8).fill_(0)
 
     def run(self, tag: str) -> Any:
+        if self.kv.is_cuda:
+            import torch
+
+            self.host.copy_(self.kv, non_blocking=True)
+            self.out.copy_(self.host, non_blocking=True)  # same stream: after the first copy
+            torch.cuda.current_stream().synchronize()
+            return self.out
         return self.out.copy_(self.kv)
 
     def verify(self, result: Any) -> bool:
@@ -487,12 +526,13 @@ def worker_main(conn: Any, role: str, path: str, nbytes: int, seed: int, url: st
     """A fresh process playing one role of one path; each ``run`` request is one measured phase."""
     try:
         os.environ.update(env)
-        kv = make_kv(nbytes, seed)
+        device = os.environ.get(DEVICE_ENV, "cpu")
+        kv = make_kv(nbytes, seed).to(device)
         impl = PATH_CLASSES[path](role, kv, url, env)
         # Warm-up round trips move a 4 KiB entry through the same clients: they load lazily imported
         # code and open connections without leaving payload-sized free memory behind that the first
         # measured phase could reuse.
-        tiny = make_kv(LAYER_TOKEN_BYTES, seed)
+        tiny = make_kv(LAYER_TOKEN_BYTES, seed).to(device)
         conn.send(("ready", None))
         while True:
             command, tag = conn.recv()
@@ -926,6 +966,12 @@ def write_png(results: dict[int, dict[str, Any]], path: str, info: dict[str, Any
     plt.close(fig)
 
 
+def torch_device_name() -> str:
+    import torch
+
+    return f"cuda ({torch.cuda.get_device_name()})"
+
+
 def cleanup(url: str, prefix: str) -> int:
     """Delete every key this run wrote (some may be left by a failure); returns how many remained."""
     import redis
@@ -954,7 +1000,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="round trips for sizes up to 1MiB, which are short and noisy (default 15)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help="comma-separated subset of " + ",".join(PATHS))
-    parser.add_argument("--png", default="docs/bench_transfer.png")
+    parser.add_argument("--png", default=None,
+                        help="chart (default docs/bench_transfer.png; with --device cuda, none unless given)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the entry lives (cuda: staged through pinned memory; kvredis and memcpy)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep KVREDIS_CHUNK_BYTES x KVREDIS_INFLIGHT_BYTES for kvredis")
@@ -978,6 +1027,22 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(paths) - set(PATHS)
     if unknown:
         parser.error(f"unknown paths {sorted(unknown)}; use {','.join(PATHS)}")
+    device_env: dict[str, str] = {}
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: CUDA is not available to torch here (torch.cuda.is_available() is "
+                         f"False; torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+        if args.sweep or args.sweep_only or args.phases or args.concurrency:
+            parser.error("--device cuda runs the path table only (no --sweep, --phases or --concurrency)")
+        if args.paths == ",".join(PATHS):
+            paths = list(CUDA_PATHS)
+        elif set(paths) - set(CUDA_PATHS):
+            others = sorted(set(paths) - set(CUDA_PATHS))
+            parser.error(f"--device cuda runs {','.join(CUDA_PATHS)} only, not {others}")
+        device_env = {DEVICE_ENV: "cuda"}
+    png = args.png if args.png is not None else ("docs/bench_transfer.png" if args.device == "cpu" else None)
     for size in sizes:
         kv_shape(size)
 
@@ -1022,7 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
                     if why:
                         results[size][path] = {"skipped": why}
                     else:
-                        variants[path] = (path, {})
+                        variants[path] = (path, dict(device_env))
                 repeat = args.small_repeat if size <= 1 << 20 else args.repeat
                 measured_paths = measure(ctx, variants, size, repeat, args.url, prefix, tick)
                 results[size] = {p: results[size].get(p) or measured_paths[p] for p in paths}
@@ -1061,7 +1126,10 @@ def main(argv: list[str] | None = None) -> int:
     passed = True
     if results:
         print_table(results, emit)
-        passed = check_targets(results, emit)
+        if args.device == "cuda":
+            emit(f"# the entry on {torch_device_name()}; the CPU path's targets are not checked here")
+        else:
+            passed = check_targets(results, emit)
         emit()
     if concurrency:
         c = concurrency
@@ -1109,11 +1177,12 @@ def main(argv: list[str] | None = None) -> int:
     emit(f"# {removed} keys removed; {elapsed:.0f} s")
     print("\n".join(out), flush=True)
 
-    if results and args.png:
-        write_png(results, args.png, info, native, args.redis_benchmark)
-        print(f"chart: {args.png}")
+    if results and png:
+        write_png(results, png, info, native, args.redis_benchmark)
+        print(f"chart: {png}")
     if args.json:
-        document = {"command": sys.argv, "machine": info, "results": {str(k): v for k, v in results.items()},
+        document = {"command": sys.argv, "machine": info, "device": args.device,
+                    "results": {str(k): v for k, v in results.items()},
                     "redis_benchmark": native, "concurrency": concurrency, "sweep": sweep,
                     "phases": {str(k): v for k, v in phases.items()}, "passed": passed}
         with open(args.json, "w") as handle:
