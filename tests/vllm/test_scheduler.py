@@ -397,10 +397,10 @@ def test_an_entry_found_in_redis_is_loaded_without_an_announcement(make_engine) 
 @pytest.fixture
 def next_entry_id(monkeypatch: pytest.MonkeyPatch) -> str:
     """The id the producer gives its next entry, known before it runs (to announce it to a decode first)."""
-    import kvredis.vllm
+    import kvredis.vllm.connector
 
     entry_id = new_entry_id()
-    monkeypatch.setattr(kvredis.vllm, "new_entry_id", lambda: entry_id)
+    monkeypatch.setattr(kvredis.vllm.connector, "new_entry_id", lambda: entry_id)
     return entry_id
 
 
@@ -549,7 +549,7 @@ def test_abort_while_loading_holds_the_blocks_until_the_worker_is_done(
 def test_redis_down_lookups_fail_fast_and_pause(make_engine, redis_server, monkeypatch, fault: str) -> None:
     """With Redis gone or frozen, the scheduler's lookups neither stall the engine nor warn per request:
     one lookup fails within KVREDIS_LOOKUP_TIMEOUT_S, the next ones are skipped for a while."""
-    import kvredis.vllm
+    import kvredis.vllm.connector
 
     server: RedisServer = redis_server()
     consumer = make_engine("kv_consumer", url=server.url, lookup_timeout_s=0.3)
@@ -570,7 +570,7 @@ def test_redis_down_lookups_fail_fast_and_pause(make_engine, redis_server, monke
             server.start()
         else:
             os.kill(server.process.pid, signal.SIGCONT)
-    monkeypatch.setattr(kvredis.vllm, "_LOOKUP_PAUSE_S", 0.0)
+    monkeypatch.setattr(kvredis.vllm.connector, "_LOOKUP_PAUSE_S", 0.0)
     consumer.connector._lookups_paused_until = 0.0
     consumer.add("after", prompt_of(50, seed=30), max_tokens=1)
     consumer.finish("after")

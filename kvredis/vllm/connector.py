@@ -1,9 +1,4 @@
-"""vLLM V1 connector: ``KVRedisConnector``, loaded by vLLM with ``kv_connector_module_path``.
-
-::
-
-    --kv-transfer-config '{"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
-                           "kv_role": "kv_producer", "kv_load_failure_policy": "recompute"}'
+"""``KVRedisConnector``: vLLM's V1 KV-connector interface over the lookup buffer.
 
 The producer (prefill) saves the prompts a decode will ask for (requests with ``do_remote_decode``, as
 the proxy sends them; every prompt with ``KVREDIS_STORE_ALL_PROMPTS``): ``save_kv_layer`` copies the
@@ -12,15 +7,13 @@ request's pages (whole blocks, see :mod:`kvredis.paged`) out of each layer as th
 registered caches, then hands the prompt to a background thread that writes it to Redis, so the write
 overlaps the next step. The blocks are free to reuse as soon as the step ends (the pages were copied; on
 a GPU the copies are queued on a side stream into pinned memory, and every later kernel of the forward's
-stream waits for them: :mod:`kvredis.staging`).
-``request_finished`` then tells the proxy, through ``kv_transfer_params``, which entry is on its way and
-what engine wrote it.
+stream waits for them: :mod:`kvredis.staging`). ``request_finished`` then tells the proxy, through
+``kv_transfer_params``, which entry is on its way and what engine wrote it (:mod:`kvredis.announcement`).
 
-An entry's key covers the prompt's tokens, the engine's :func:`cache_identity` and the request's context
-(LoRA adapter, multimodal inputs, ``cache_salt``; :mod:`kvredis.request_keys`), so no request reads KV
-computed for another adapter, image or tenant. Requests with prompt embeddings are neither saved nor
-loaded. Configurations whose pages the connector cannot express (context parallelism, several KV cache
-groups) are refused at start-up.
+An entry's key covers the prompt's tokens, the engine's identity (:func:`kvredis.vllm.engine.cache_identity`)
+and the request's context (LoRA adapter, multimodal inputs, ``cache_salt``; :mod:`kvredis.request_keys`),
+so no request reads KV computed for another adapter, image or tenant. Requests with prompt embeddings are
+neither saved nor loaded. Configurations whose pages the connector cannot express are refused at start-up.
 
 The consumer (decode) reports ``len(prompt) - 1`` loadable tokens when the request says an entry is on
 its way, or when Redis already holds an unannounced one; vLLM computes the last token itself. An announced
@@ -31,22 +24,14 @@ background thread (asynchronous, reported through ``get_finished``): it takes th
 blocking pop, bounded by ``KVREDIS_POP_TIMEOUT_S``, and writes the pages into the request's blocks. A load
 that fails for any reason (missing, expired, evicted, corrupt, another model or layout, Redis down or
 slow) reports the request's blocks through ``get_block_ids_with_load_errors``, so vLLM recomputes them
-(``kv_load_failure_policy: "recompute"``). Only this module imports vLLM.
-
-The counters of :data:`STATS` (requests and tokens loaded, saved or failed, failed lookups) travel through
-vLLM's KV-connector stats from the worker processes to the API server, which logs them ("KV Transfer
-metrics") and serves them on ``/metrics`` as ``vllm:kvredis_<name>_total``.
+(``kv_load_failure_policy: "recompute"``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import re
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -61,16 +46,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvredis import staging
 from kvredis.announcement import Announcement, MalformedAnnouncement, read_announcement
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
-from kvredis.errors import ConfigError, KVRedisError
-from kvredis.keys import CacheIdentity, KeySpace, new_entry_id, prompt_digest
+from kvredis.errors import KVRedisError
+from kvredis.keys import KeySpace, new_entry_id, prompt_digest
 from kvredis.paged import PagedLayout, block_span
 from kvredis.request_keys import AdapterDigests, request_context
+from kvredis.vllm.engine import (
+    cache_identity,
+    check_vllm_version,
+    refuse_unsupported,
+    worker_pp_rank,
+    worker_tp_rank,
+)
+from kvredis.vllm.stats import Counts, KVRedisPromMetrics, KVRedisStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,42 +85,9 @@ def _log_through_vllm() -> None:
     ours.propagate = False
 
 
-SUPPORTED_VLLM = ((0, 32), (0, 34))
-"""The oldest and newest vLLM minor versions this connector is tested against, inclusive."""
-
 _SHUTDOWN_WAIT_S = 30.0
 _LOOKUP_PAUSE_S = 10.0
 """After a failed lookup, the scheduler computes prompts without asking Redis for this long."""
-
-STATS = {
-    "loaded_requests": "Requests whose prompt KV was loaded from Redis",
-    "loaded_tokens": "Prompt tokens loaded from Redis instead of computed",
-    "load_failures": "Announced or found entries that could not be loaded (their tokens were recomputed)",
-    "failed_tokens": "Prompt tokens that were to be loaded but were recomputed",
-    "saved_requests": "Prompts whose KV was stored in Redis",
-    "saved_tokens": "Prompt tokens whose KV was stored in Redis",
-    "save_failures": "Prompts whose KV could not be stored in Redis",
-    "lookup_errors": "Scheduler lookups in Redis that failed (Redis down or slow)",
-    "skipped_requests": "Requests neither saved nor loaded (prompt embeddings, or announced by a prefill "
-                        "engine configured differently)",
-    "discarded_entries": "Announced entries deleted unread because the decode computed the prompt itself",
-}
-"""The connector's counters, reported through vLLM's KV-connector stats: vLLM logs them ("KV Transfer
-metrics") and serves them on ``/metrics`` as ``vllm:kvredis_<name>_total``. Worker counts are summed over
-tensor-parallel ranks (each rank moves its own shard)."""
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise :class:`~kvredis.ConfigError` unless ``version`` is within :data:`SUPPORTED_VLLM`."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VLLM
-    supported = f"{low_major}.{low_minor} to {high_major}.{high_minor}"
-    if match is None:
-        raise ConfigError(f"kvredis supports vLLM {supported}; cannot read this vLLM's version {version!r}")
-    found = (int(match.group(1)), int(match.group(2)))
-    if not SUPPORTED_VLLM[0] <= found <= SUPPORTED_VLLM[1]:
-        raise ConfigError(f"kvredis supports vLLM {supported}; this is vLLM {version}")
-
 
 # -- metadata -------------------------------------------------------------------------------------
 
@@ -197,188 +156,6 @@ class _RequestState:
 
 
 
-def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0) -> CacheIdentity:
-    """What decides whether a stored KV cache fits this engine, computed alike by scheduler and workers.
-
-    Each tensor- and pipeline-parallel rank stores and loads its own shard of the layers under its own key
-    (the scheduler, which has no rank, looks up rank 0's).
-    """
-    model_config = vllm_config.model_config
-    cache_config = vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    kv_dtype = str(cache_config.cache_dtype)
-    if kv_dtype == "auto":
-        kv_dtype = str(model_config.dtype).removeprefix("torch.")
-    use_mla = bool(getattr(model_config, "use_mla", False))
-    heads = model_config.get_num_kv_heads(parallel)
-    head_size = model_config.get_head_size()
-    # A page's bytes depend on the platform, the kernel's packing (the CPU ISA) and the physical order;
-    # engines that differ in any of these must never share pages.
-    layout = ":".join([
-        _platform(), _cpu_isa(kv_dtype, cache_config.block_size, head_size),
-        str(getattr(cache_config, "kv_cache_layout", None) or "default"),
-        "mla" if use_mla else "mha", f"h{heads}", f"d{head_size}",
-        f"pp{pp_rank}/{parallel.pipeline_parallel_size}",
-    ])
-    return CacheIdentity(
-        model=str(model_config.model),
-        kv_dtype=kv_dtype,
-        layout=layout,
-        block_size=int(cache_config.block_size),
-        tp_rank=tp_rank,
-        tp_size=int(parallel.tensor_parallel_size),
-        weights=_weights(model_config),
-    )
-
-
-_POSITIONAL_SETTINGS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
-                        "max_position_embeddings", "num_hidden_layers")
-"""Model settings that change the keys every layer caches (rotary embeddings are applied to K before it is
-cached), and which ``--hf-overrides`` can change without changing the model's path."""
-
-
-def _weights(model_config: Any) -> str:
-    """What besides the model's path decides the KV its layers compute: the weights' dtype, revision and
-    quantization, and a digest of the positional settings (two engines differing in any of them compute
-    different KV for the same tokens)."""
-    text_config = getattr(model_config, "hf_text_config", None)
-    settings = {name: getattr(text_config, name, None) for name in _POSITIONAL_SETTINGS}
-    canonical = json.dumps(settings, sort_keys=True, default=str, separators=(",", ":")).encode()
-    digest = hashlib.blake2b(canonical, digest_size=6).hexdigest()
-    dtype = str(getattr(model_config, "dtype", "")).removeprefix("torch.")
-    return (f"dtype {dtype}, revision {getattr(model_config, 'revision', None)}, "
-            f"quantization {getattr(model_config, 'quantization', None)}, positions {digest}")
-
-
-def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
-    """Raise :class:`~kvredis.ConfigError` for a configuration whose pages the connector cannot move."""
-    parallel = vllm_config.parallel_config
-    for flag, name in (("--decode-context-parallel-size (-dcp)", "decode_context_parallel_size"),
-                       ("--prefill-context-parallel-size (-pcp)", "prefill_context_parallel_size")):
-        size = int(getattr(parallel, name, 1) or 1)
-        if size > 1:
-            raise ConfigError(f"kvredis does not support {flag} {size}: context parallelism splits a "
-                              "request's KV over ranks in a way its pages cannot express; run without it")
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    if len(groups) > 1:
-        raise ConfigError(f"kvredis supports models with one KV cache group; this one has {len(groups)} "
-                          "(a hybrid model: sliding-window, chunked-local or Mamba layers beside full "
-                          "attention), whose blocks it cannot move yet")
-    if groups:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        spec = groups[0].kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec):
-            raise ConfigError(f"kvredis moves full-attention KV caches; this model's is a "
-                              f"{type(spec).__name__}, whose blocks it cannot move")
-
-
-def _platform() -> str:
-    try:
-        from vllm.platforms import current_platform
-
-        return str(current_platform.device_type)
-    except Exception:  # platform detection failing must not stop the engine; the page shape check still runs
-        return "unknown"
-
-
-def _cpu_isa(kv_dtype: str, block_size: int, head_size: int) -> str:
-    if _platform() != "cpu":
-        return "-"
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        return str(_get_attn_isa(getattr(torch, kv_dtype, torch.float32), block_size, head_size))
-    except Exception:  # a private helper that may move between versions
-        return "cpu"
-
-
-def _worker_tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except (ImportError, AssertionError, RuntimeError):
-        return 0
-
-
-def _worker_pp_rank() -> int:
-    """This worker's pipeline stage: stages hold different layers, so they must not share entries."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group
-
-        return int(get_pp_group().rank_in_group)
-    except (ImportError, AssertionError, RuntimeError, AttributeError):
-        return 0
-
-
-# -- stats ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class KVRedisStats(KVConnectorStats):
-    """Counts of :data:`STATS` since the last report; vLLM ships them from workers to its stat loggers."""
-
-    def reset(self) -> None:
-        self.data: dict[str, Any] = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVRedisStats:
-        for name, value in (other.data or {}).items():
-            self.data[name] = self.data.get(name, 0) + int(value)
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {name: int(self.data[name]) for name in STATS if self.data.get(name)}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-class KVRedisPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvredis_<name>_total`` counters on vLLM's ``/metrics``, one series per engine."""
-
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._series = {
-            name: {
-                engine: counter.labels(*values)
-                for engine, values in per_engine_labelvalues.items()
-            }
-            for name, counter in (
-                (name, self._counter_cls(name=f"vllm:kvredis_{name}", documentation=help_text,
-                                         labelnames=labelnames))
-                for name, help_text in STATS.items()
-            )
-        }
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.items():
-            series = self._series.get(name, {}).get(engine_idx)
-            if series is not None and value:
-                series.inc(value)
-
-
-class _Counts:
-    """Thread-safe counts of :data:`STATS`, taken (and reset) by ``get_kv_connector_stats``."""
-
-    def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def add(self, **amounts: int) -> None:
-        with self._lock:
-            self._counts.update(amounts)
-
-    def take(self) -> KVRedisStats | None:
-        with self._lock:
-            if not any(self._counts.values()):
-                return None
-            data = dict(self._counts)
-            self._counts.clear()
-        return KVRedisStats(data=data)
-
-
 class _CacheWrites:
     """The gate loads pass to write into the registered KV caches, closed while vLLM has released them.
 
@@ -438,8 +215,8 @@ class KVRedisConnector(KVConnectorBase_V1):
         self._consumer = bool(transfer.is_kv_consumer)
         self._block_size = int(vllm_config.cache_config.block_size)
         worker = role == KVConnectorRole.WORKER
-        self.identity = cache_identity(vllm_config, _worker_tp_rank() if worker else 0,
-                                       _worker_pp_rank() if worker else 0)
+        self.identity = cache_identity(vllm_config, worker_tp_rank() if worker else 0,
+                                       worker_pp_rank() if worker else 0)
         if not worker and self._consumer and getattr(transfer, "kv_load_failure_policy", None) == "fail":
             logger.warning(
                 'kv_load_failure_policy is "fail" (vLLM\'s default): a request whose KV cannot be loaded '
@@ -454,7 +231,7 @@ class KVRedisConnector(KVConnectorBase_V1):
                 connect_timeout_s=min(self.config.connect_timeout_s, self.config.lookup_timeout_s))
         self.buffer = RedisLookupBuffer(buffer_config, identity=self.identity)
         self.metrics = self.buffer.metrics
-        self.counts = _Counts()
+        self.counts = Counts()
         # Scheduler side.
         self._lookups_paused_until = 0.0
         self._requests: dict[str, _RequestState] = {}
