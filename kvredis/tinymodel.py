@@ -1,7 +1,8 @@
-"""A tiny Llama model folder written locally, for running real vLLM engines with no hub and no GPU.
+"""Tiny models written locally, for running real vLLM engines with no hub and no GPU.
 
-``kvredis up``, ``kvredis demo`` and the engine tests use it. The weights are seeded random numbers saved
-as safetensors (so vLLM's real loader runs), and the tokenizer is a word-level vocabulary of ``t<N>``
+``kvredis up``, ``kvredis demo`` and the engine tests use the Llama; the multimodal engine tests use a
+BLIP-2 (a small vision tower and Q-Former in front of the same Llama). The weights are seeded random numbers
+saved as safetensors (so vLLM's real loader runs), and the tokenizer is a word-level vocabulary of ``t<N>``
 words, so a prompt ``"t5 t9 t12"`` is the token IDs ``[5, 9, 12]``. Needs ``safetensors`` and
 ``tokenizers``, which vLLM installs.
 """
@@ -10,11 +11,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 VOCAB = 1024
 SPECIAL = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+IMAGE_TOKEN = "<image>"
+IMAGE_TOKEN_ID = VOCAB  # the BLIP-2's image placeholder, one past the words
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+"""Turns joined with a space (the word-level tokenizer reads each turn's words)."""
 
 
 def write_tiny_llama(
@@ -31,48 +37,119 @@ def write_tiny_llama(
 ) -> Path:
     """Write config, tokenizer and seeded weights of a small Llama into ``folder``; returns it."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
+    shape = _LlamaShape(VOCAB, layers, hidden, heads, kv_heads, head_dim, intermediate, max_positions)
+    config = {"architectures": ["LlamaForCausalLM"], **shape.config()}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    _write_tokenizer(path, max_positions)
+    generator = torch.Generator().manual_seed(seed)
+    save_file(shape.tensors(generator, ""), str(path / "model.safetensors"))
+    return path
+
+
+def write_tiny_blip2(
+    folder: str | Path,
+    *,
+    image_size: int = 64,
+    patch_size: int = 16,
+    vision_hidden: int = 64,
+    vision_layers: int = 2,
+    vision_heads: int = 2,
+    query_tokens: int = 40,
+    qformer_layers: int = 2,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate: int = 512,
+    max_positions: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """Write a small BLIP-2 (``Blip2ForConditionalGeneration``: vision tower, Q-Former, projection, the tiny
+    Llama as its language model) with its processor files into ``folder``; returns it. Every image, whatever
+    its size, becomes ``query_tokens`` placeholder tokens at the start of the prompt, so two images give the
+    same token IDs."""
+    from safetensors.torch import save_file
+
+    if image_size % patch_size:
+        raise ValueError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    shape = _LlamaShape(VOCAB + 1, layers, hidden, heads, kv_heads, head_dim, intermediate, max_positions)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "architectures": ["Blip2ForConditionalGeneration"], "model_type": "blip-2", "torch_dtype": "float32",
+        "num_query_tokens": query_tokens, "image_token_index": IMAGE_TOKEN_ID,
+        "use_decoder_only_language_model": True, "tie_word_embeddings": False,
+        "vision_config": {
+            "model_type": "blip_2_vision_model", "hidden_size": vision_hidden,
+            "intermediate_size": 2 * vision_hidden, "num_hidden_layers": vision_layers,
+            "num_attention_heads": vision_heads, "image_size": image_size, "patch_size": patch_size,
+            "hidden_act": "gelu", "layer_norm_eps": 1e-6, "qkv_bias": True},
+        "qformer_config": {
+            "model_type": "blip_2_qformer", "hidden_size": vision_hidden, "num_hidden_layers": qformer_layers,
+            "num_attention_heads": vision_heads, "intermediate_size": 2 * vision_hidden,
+            "encoder_hidden_size": vision_hidden, "cross_attention_frequency": 1, "hidden_act": "gelu",
+            "layer_norm_eps": 1e-12, "vocab_size": 32, "max_position_embeddings": 64},
+        "text_config": {"architectures": ["LlamaForCausalLM"], **shape.config()},
     }
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    vocabulary = dict(SPECIAL) | {f"t{i}": i for i in range(len(SPECIAL), VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": max_positions,
-    }))
+    _write_tokenizer(path, max_positions, image_token=True)
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "BlipImageProcessor", "processor_class": "Blip2Processor",
+        "size": {"height": image_size, "width": image_size}, "do_resize": True, "resample": 3,
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}, indent=1))
+    (path / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Blip2Processor", "num_query_tokens": query_tokens}, indent=1))
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
     generator = torch.Generator().manual_seed(seed)
+    tensors = shape.tensors(generator, "language_model.")
 
-    def weight(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * 0.05).contiguous()
+    def random(name: str, *size: int, scale: float) -> None:
+        tensors[name] = (torch.randn(*size, generator=generator) * scale).contiguous()
 
-    tensors = {
-        "model.embed_tokens.weight": weight(VOCAB, hidden),
-        "model.norm.weight": torch.ones(hidden),
-        "lm_head.weight": weight(VOCAB, hidden),
-    }
-    for layer in range(layers):
-        prefix = f"model.layers.{layer}."
-        tensors[prefix + "input_layernorm.weight"] = torch.ones(hidden)
-        tensors[prefix + "post_attention_layernorm.weight"] = torch.ones(hidden)
-        tensors[prefix + "self_attn.q_proj.weight"] = weight(heads * head_dim, hidden)
-        tensors[prefix + "self_attn.k_proj.weight"] = weight(kv_heads * head_dim, hidden)
-        tensors[prefix + "self_attn.v_proj.weight"] = weight(kv_heads * head_dim, hidden)
-        tensors[prefix + "self_attn.o_proj.weight"] = weight(hidden, heads * head_dim)
-        tensors[prefix + "mlp.gate_proj.weight"] = weight(intermediate, hidden)
-        tensors[prefix + "mlp.up_proj.weight"] = weight(intermediate, hidden)
-        tensors[prefix + "mlp.down_proj.weight"] = weight(hidden, intermediate)
+    def linear(name: str, out: int, inp: int, scale: float) -> None:
+        random(name + ".weight", out, inp, scale=scale)
+        tensors[name + ".bias"] = torch.zeros(out)
+
+    def norm(name: str) -> None:
+        tensors[name + ".weight"] = torch.ones(vision_hidden)
+        tensors[name + ".bias"] = torch.zeros(vision_hidden)
+
+    width = vision_hidden
+    # Vision tower: pixels in [-1, 1] cut into patches, pre-norm encoder layers.
+    patches = (image_size // patch_size) ** 2
+    random("vision_model.embeddings.class_embedding", 1, 1, width, scale=0.5)
+    random("vision_model.embeddings.position_embedding", 1, patches + 1, width, scale=0.5)
+    random("vision_model.embeddings.patch_embedding.weight", width, 3, patch_size, patch_size, scale=0.05)
+    tensors["vision_model.embeddings.patch_embedding.bias"] = torch.zeros(width)
+    for layer in range(vision_layers):
+        prefix = f"vision_model.encoder.layers.{layer}."
+        linear(prefix + "self_attn.qkv", 3 * width, width, 0.2)
+        linear(prefix + "self_attn.projection", width, width, 0.2)
+        norm(prefix + "layer_norm1")
+        linear(prefix + "mlp.fc1", 2 * width, width, 0.2)
+        linear(prefix + "mlp.fc2", width, 2 * width, 0.2)
+        norm(prefix + "layer_norm2")
+    norm("vision_model.post_layernorm")
+    # Q-Former: learned queries attending to each other and to the image in every layer, post-norm.
+    random("query_tokens", 1, query_tokens, width, scale=1.0)
+    norm("qformer.layernorm")
+    for layer in range(qformer_layers):
+        prefix = f"qformer.encoder.layer.{layer}."
+        for block in ("attention", "crossattention"):
+            for name in ("query", "key", "value"):
+                linear(f"{prefix}{block}.attention.{name}", width, width, 0.2)
+            linear(f"{prefix}{block}.output.dense", width, width, 0.2)
+            norm(f"{prefix}{block}.output.LayerNorm")
+        linear(prefix + "intermediate_query.dense", 2 * width, width, 0.2)
+        linear(prefix + "output_query.dense", width, 2 * width, 0.2)
+        norm(prefix + "output_query.LayerNorm")
+    linear("language_projection", hidden, width, 0.05)
     save_file(tensors, str(path / "model.safetensors"))
     return path
 
@@ -80,3 +157,68 @@ def write_tiny_llama(
 def prompt_text(token_ids: list[int]) -> str:
     """The text that the tiny tokenizer turns into exactly ``token_ids``."""
     return " ".join(f"t{i}" for i in token_ids)
+
+
+class _LlamaShape:
+    """A Llama's sizes: its config and its seeded weights, named as in Hugging Face checkpoints."""
+
+    def __init__(self, vocab: int, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, max_positions: int) -> None:
+        self.vocab, self.layers, self.hidden, self.heads = vocab, layers, hidden, heads
+        self.kv_heads, self.head_dim, self.intermediate = kv_heads, head_dim, intermediate
+        self.max_positions = max_positions
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "model_type": "llama", "vocab_size": self.vocab,
+            "hidden_size": self.hidden, "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_positions, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        }
+
+    def tensors(self, generator: torch.Generator, prefix: str) -> dict[str, torch.Tensor]:
+        """The weights under ``prefix`` (``""`` for a Llama alone), drawn from ``generator`` in one order."""
+        hidden, q_width, kv_width = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+
+        def weight(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=generator) * 0.05).contiguous()
+
+        tensors = {
+            prefix + "model.embed_tokens.weight": weight(self.vocab, hidden),
+            prefix + "model.norm.weight": torch.ones(hidden),
+            prefix + "lm_head.weight": weight(self.vocab, hidden),
+        }
+        for layer in range(self.layers):
+            name = f"{prefix}model.layers.{layer}."
+            tensors[name + "input_layernorm.weight"] = torch.ones(hidden)
+            tensors[name + "post_attention_layernorm.weight"] = torch.ones(hidden)
+            tensors[name + "self_attn.q_proj.weight"] = weight(q_width, hidden)
+            tensors[name + "self_attn.k_proj.weight"] = weight(kv_width, hidden)
+            tensors[name + "self_attn.v_proj.weight"] = weight(kv_width, hidden)
+            tensors[name + "self_attn.o_proj.weight"] = weight(hidden, q_width)
+            tensors[name + "mlp.gate_proj.weight"] = weight(self.intermediate, hidden)
+            tensors[name + "mlp.up_proj.weight"] = weight(self.intermediate, hidden)
+            tensors[name + "mlp.down_proj.weight"] = weight(hidden, self.intermediate)
+        return tensors
+
+
+def _write_tokenizer(path: Path, max_positions: int, *, image_token: bool = False) -> None:
+    """The word-level tokenizer's files; with ``image_token``, ``<image>`` is a special token (``VOCAB``)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocabulary = dict(SPECIAL) | {f"t{i}": i for i in range(len(SPECIAL), VOCAB)}
+    if image_token:
+        vocabulary[IMAGE_TOKEN] = IMAGE_TOKEN_ID
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if image_token:
+        # Found inside words too: a processor writes an image's placeholders with no space between them.
+        tokenizer.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": max_positions,
+    }))

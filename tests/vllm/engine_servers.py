@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ import pytest
 import requests
 import torch
 from conftest import BLOCK_SIZE
-from redis_servers import RedisServer, free_port
+from redis_servers import RedisServer, free_port, wait_until
 
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.tinymodel import prompt_text
@@ -176,6 +177,53 @@ class Disaggregated:
         return params
 
 
+@dataclass
+class Proxy:
+    """A ``kvredis proxy`` process in front of one prefill and one decode engine."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"kvredis proxy exited ({self.process.returncode}):\n{self.log.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def start_proxy(folder: Path, name: str, prefill_url: str, decode_url: str, redis_url: str) -> Proxy:
+    """``kvredis proxy`` as an operator starts it (the environment's console script), given the Redis so
+    that it deletes the entries of decodes that fail."""
+    port = free_port()
+    log = folder / f"{name}.log"
+    command = [str(Path(sys.executable).with_name("kvredis")), "proxy", "--prefill", prefill_url,
+               "--decode", decode_url, "--port", str(port), "--redis-url", redis_url]
+    with open(log, "wb") as out:
+        # The engines' long bounds (this VM stalls): a delete waits as long for an entry being written.
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env={**os.environ, **TEST_TIMEOUT_ENV})
+    proxy = Proxy(process, port, log)
+    wait_until(proxy.ready, 60, "kvredis proxy listening")
+    return proxy
+
+
 def start_redis() -> RedisServer:
     """A ``redis-server`` of the test's own (so that a test can stop it); fails the test without one."""
     try:
@@ -185,11 +233,12 @@ def start_redis() -> RedisServer:
     return server.start()
 
 
-def kv_transfer_config(role: str, redis_url: str, namespace: str) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` of a KVRedisConnector engine under test (``TEST_TIMEOUTS``)."""
+def kv_transfer_config(role: str, redis_url: str, namespace: str, **extra: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a KVRedisConnector engine under test (``TEST_TIMEOUTS``); ``extra``
+    are more of kvredis's settings (``store_all_prompts=True``)."""
     return {"kv_connector": "KVRedisConnector", "kv_connector_module_path": "kvredis.vllm",
             "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"url": redis_url, "namespace": namespace, **TEST_TIMEOUTS}}
+            "kv_connector_extra_config": {"url": redis_url, "namespace": namespace, **TEST_TIMEOUTS, **extra}}
 
 
 def _cpu_shares(ranks: int) -> str:

@@ -13,7 +13,6 @@ After every test, no key is left in Redis except those the test left on purpose 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -32,19 +31,19 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 import openai
 import torch
 from engine_servers import (
-    REPO,
-    TEST_TIMEOUT_ENV,
+    Proxy,
     Server,
     counter_delta,
     kv_transfer_config,
     prompt_of,
+    start_proxy,
     start_redis,
     start_server,
     wait_counters,
     wait_ready,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from redis_servers import RedisServer, free_port, wait_until
+from redis_servers import RedisServer, wait_until
 
 from kvredis.tinymodel import prompt_text
 
@@ -83,53 +82,6 @@ def write_lora_adapter(folder: Path, model: Path, seed: int, rank: int = 8) -> P
         "target_modules": ["k_proj", "v_proj"], "inference_mode": True,
     }))
     return folder
-
-
-@dataclass
-class Proxy:
-    """A ``kvredis proxy`` process in front of one prefill and one decode engine."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def ready(self) -> bool:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"kvredis proxy exited ({self.process.returncode}):\n{self.log.read_text()}")
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                return True
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-
-
-def start_proxy(folder: Path, name: str, prefill_url: str, decode_url: str, redis_url: str) -> Proxy:
-    """``kvredis proxy`` as an operator starts it (the environment's console script), given the Redis so
-    that it deletes the entries of decodes that fail."""
-    port = free_port()
-    log = folder / f"{name}.log"
-    command = [str(Path(sys.executable).with_name("kvredis")), "proxy", "--prefill", prefill_url,
-               "--decode", decode_url, "--port", str(port), "--redis-url", redis_url]
-    with open(log, "wb") as out:
-        # The engines' long bounds (this VM stalls): a delete waits as long for an entry being written.
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**os.environ, **TEST_TIMEOUT_ENV})
-    proxy = Proxy(process, port, log)
-    wait_until(proxy.ready, 60, "kvredis proxy listening")
-    return proxy
 
 
 @dataclass
