@@ -154,8 +154,6 @@ class _RequestState:
     announcement: _Announcement | None
 
 
-
-
 class _CacheWrites:
     """The gate loads pass to write into the registered KV caches, closed while vLLM has released them.
 
