@@ -94,10 +94,11 @@ class RedisLookupBuffer:
         announced = entry_id is not None
         entry_id = check_entry_id(entry_id) if announced else new_entry_id()
         prompt = Prompt.of(input_tokens, roi, context)
-        tokens, mask = torch.from_numpy(prompt.tokens), torch.from_numpy(prompt.mask).to(torch.bool)
         keys = self.keyspace.keys_for(prompt)
-        tensors = [tokens, mask, key, value, hidden]
-        size = codec.payload_size(tensors)
+        # The token IDs and mask go in as the prompt's canonical bytes (int64 and bool views): no tensor
+        # is made of them.
+        frames = codec.Frames.of([prompt.tokens, prompt.mask, key, value, hidden])
+        size = frames.nbytes
         if size > self.config.max_entry_bytes:
             raise EntryTooLargeError(
                 f"entry of {size} bytes exceeds KVREDIS_MAX_ENTRY_BYTES={self.config.max_entry_bytes}"
@@ -107,13 +108,11 @@ class RedisLookupBuffer:
         queue = keys.entry_queue(entry_id) if announced else keys.queue
         meta: dict[str, Any] = {"id": entry_id, "space": self.keyspace.prefix}
         piece_keys: list[str] = []
-        if size <= chunk:
-            encoded = codec.encode(tensors, meta, checksum=self.config.checksum)
-        else:
+        if size > chunk:
             count = -(-size // chunk)
             meta.update(chunk=chunk, pieces=count)
-            encoded = codec.encode(tensors, meta, checksum=self.config.checksum)
             piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
+        encoded = frames.encode(meta, checksum=self.config.checksum)
         try:
             if piece_keys:
                 self.store.put_pieces(piece_keys, _pieces(encoded.payload, chunk), ttl_ms)
@@ -155,7 +154,6 @@ class RedisLookupBuffer:
         if input_tokens is None:
             raise ValueError("drop_select needs input_tokens: entries are looked up by their tokens")
         prompt = Prompt.of(input_tokens, roi, context)
-        tokens, mask = torch.from_numpy(prompt.tokens), torch.from_numpy(prompt.mask).to(torch.bool)
         keys = self.keyspace.keys_for(prompt)
         queue = keys.entry_queue(entry_id) if entry_id is not None else keys.queue
         started = time.perf_counter()
@@ -175,9 +173,9 @@ class RedisLookupBuffer:
                     continue
                 if record is None:
                     break
-                entry, cause = self._read_entry(keys, record, tokens, mask, entry_id)
+                entry, cause, size = self._read_entry(keys, record, prompt, entry_id)
                 if entry is not None:
-                    self.metrics.loaded(codec.payload_size(entry), time.perf_counter() - started)
+                    self.metrics.loaded(size, time.perf_counter() - started)
                     logger.debug("loaded an entry from %s", queue)
                     return entry, cause
         except KVRedisError as exc:
@@ -241,10 +239,9 @@ class RedisLookupBuffer:
             raise
 
     def _read_entry(
-        self, keys: EntryKeys, record: bytes | bytearray, tokens: torch.Tensor, mask: torch.Tensor,
-        entry_id: str | None = None,
-    ) -> tuple[Entry | None, str]:
-        """The entry in ``record``, or ``None`` and why it was dropped."""
+        self, keys: EntryKeys, record: bytes | bytearray, prompt: Prompt, entry_id: str | None = None,
+    ) -> tuple[Entry | None, str, int]:
+        """The entry in ``record`` and its payload size, or ``None`` and why it was dropped."""
         try:
             header = codec.read_header(record, max_payload_bytes=self.config.max_entry_bytes)
             space = header.meta.get("space")
@@ -252,31 +249,34 @@ class RedisLookupBuffer:
                 self.metrics.dropped("foreign")
                 logger.warning("dropped an entry in %s written for another namespace or model identity "
                                "(%r)", keys.queue, space)
-                return None, "foreign"
+                return None, "foreign", 0
             if entry_id is not None and header.meta.get("id") != entry_id:
                 self.metrics.dropped("foreign")
                 logger.warning("dropped a record in the list of entry %s that names entry %r", entry_id,
                                header.meta.get("id"))
-                return None, "foreign"
+                return None, "foreign", 0
             pieces = header.meta.get("pieces", 0)
             if not pieces:
                 payload: Any = memoryview(record)[header.payload_offset:]
+                raw = payload
             else:
                 payload, cause = self._take_pieces(keys, header)
                 if payload is None:
                     self.metrics.dropped(cause)
-                    return None, cause
+                    return None, cause, 0
+                raw = payload.numpy().data
             entry = codec.decode_payload(header, payload, verify=self.config.checksum)
         except CodecError as exc:
             cause = "foreign" if "foreign" in str(exc) or "version" in str(exc) else "corrupt"
             self.metrics.dropped(cause)
             logger.warning("dropped an unreadable entry in %s (%s): %s", keys.queue, cause, exc)
-            return None, cause
-        if len(entry) != 5 or not _same(entry[0], tokens) or not _same(entry[1], mask):
+            return None, cause, 0
+        if len(entry) != 5 or not _holds(header, raw, entry, 0, prompt.tokens) \
+                or not _holds(header, raw, entry, 1, prompt.mask):
             self.metrics.dropped("foreign")
             logger.warning("dropped an entry in %s whose tokens differ from the request", keys.queue)
-            return None, "foreign"
-        return entry, "hit"
+            return None, "foreign", 0
+        return entry, "hit", header.payload_nbytes
 
     def _take_pieces(self, keys: EntryKeys, header: codec.Header) -> tuple[torch.Tensor | None, str]:
         """The entry's payload from its pieces, or ``None`` and why (``partial`` or ``corrupt``)."""
@@ -350,8 +350,25 @@ class RedisLookupBuffer:
         self.close()
 
 
-def _same(stored: torch.Tensor | None, expected: torch.Tensor) -> bool:
-    return stored is not None and stored.shape == expected.shape and bool(torch.equal(stored, expected))
+_CANONICAL = {"q": torch.int64, "?": torch.bool}  # the dtype kvredis writes each prompt view's bytes as
+
+
+def _holds(
+    header: codec.Header, raw: memoryview, entry: Entry, index: int, expected: memoryview[Any]
+) -> bool:
+    """Whether tensor ``index`` of the decoded entry equals ``expected`` (the prompt's tokens or mask).
+
+    What kvredis writes (int64 tokens, bool mask) is compared as bytes, in place; another dtype by value,
+    as :func:`torch.equal` does (it promotes).
+    """
+    spec, stored = header.specs[index], entry[index]
+    if spec is None or stored is None or spec.shape != (len(expected),):
+        return False
+    if spec.dtype is _CANONICAL[expected.format]:
+        offset = header.offsets()[index]
+        return raw[offset:offset + spec.nbytes].tobytes() == expected.tobytes()
+    reference = torch.tensor(expected.tolist(), dtype=_CANONICAL[expected.format])
+    return bool(torch.equal(stored, reference))
 
 
 def _pieces(frames: Sequence[memoryview], size: int) -> list[bytes | memoryview]:

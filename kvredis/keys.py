@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import re
+import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -28,6 +30,8 @@ _DIGEST_BYTES = 16  # 128 bits: collisions are out of reach, and entries re-chec
 _CONTEXT = re.compile(rf"\A[0-9a-f]{{{2 * _DIGEST_BYTES}}}\Z")
 _ENTRY_ID = re.compile(r"\A[0-9a-f]{16}\Z")
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+# The fast paths below view native int64 memory as the canonical little-endian bytes.
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 @dataclass(frozen=True)
@@ -77,28 +81,62 @@ def canonical_roi(roi: Any, num_tokens: int) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Prompt:
-    """A prompt in canonical form (int64 tokens, uint8 roi mask) and its blake2b digest, computed once."""
+    """A prompt in canonical form and its blake2b digest, computed once.
 
-    tokens: np.ndarray
-    mask: np.ndarray
+    ``tokens``: the token IDs as int64 little-endian (a flat memoryview, format ``q``); ``mask``: the roi
+    mask as 0/1 bytes (a flat memoryview, format ``?``).
+    """
+
+    tokens: memoryview[int]
+    mask: memoryview[bool]
     digest: str
 
     @classmethod
     def of(cls, input_tokens: Any, roi: Any = None, context: str = "") -> Prompt:
         """Canonicalise and hash tokens (tensor on any device, array or sequence), a roi mask and the
         prompt's context digest (``""``: nothing but the tokens decides its KV)."""
-        tokens = canonical_tokens(input_tokens)
-        mask = canonical_roi(roi, tokens.shape[0])
-        hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-prompt")
-        hasher.update(tokens.shape[0].to_bytes(8, "little"))
-        hasher.update(tokens.data.cast("B"))
-        hasher.update(mask.data)
+        tokens = _token_view(input_tokens)
+        count = len(tokens)
+        if roi is None:
+            mask = memoryview(b"\x01" * count).cast("?")
+        else:
+            mask = memoryview(canonical_roi(roi, count).data).cast("?")
+        hasher = hashlib.blake2b(count.to_bytes(8, "little"), digest_size=_DIGEST_BYTES,
+                                 person=b"kvredis-prompt")
+        hasher.update(tokens)
+        hasher.update(mask)
         if context:
             # Only when present, so that context-free prompts keep the keys they always had.
             if not _CONTEXT.match(context):
                 raise ValueError(f"a prompt's context must be a context_digest(), got {context!r}")
             hasher.update(b"context:" + context.encode())
         return cls(tokens, mask, hasher.hexdigest())
+
+
+def _token_view(input_tokens: Any) -> memoryview:
+    """:func:`canonical_tokens` as a flat int64 memoryview, without numpy for the common inputs.
+
+    A CPU int64 tensor is viewed in place and a list or tuple of ints is packed with ``struct``: one or
+    two calls instead of numpy's several, which a lookup in vLLM's scheduler loop (a list of up to
+    thousands of IDs) and every small entry feel. Anything else, or anything these refuse, takes the
+    general path (which also raises the errors).
+    """
+    kind = type(input_tokens)
+    if kind is torch.Tensor:
+        if _LITTLE_ENDIAN and input_tokens.dtype is torch.int64 and input_tokens.is_cpu:
+            array = input_tokens.numpy()
+            if array.flags.c_contiguous:
+                return memoryview(array).cast("B").cast("q")
+    elif (kind is list or kind is tuple) and (not input_tokens or type(input_tokens[0]) is not bool):
+        # An all-bool list must raise (numpy makes it a bool array); the first element tells it apart.
+        try:
+            packed = struct.pack(f"<{len(input_tokens)}q", *input_tokens)
+        except (struct.error, TypeError, OverflowError):
+            pass  # floats, strings, nested lists, values past int64: the general path decides
+        else:
+            return memoryview(packed).cast("q")
+    flat = canonical_tokens(input_tokens)
+    return flat.data.cast("B").cast("q")
 
 
 def prompt_digest(input_tokens: Any, roi: Any = None, context: str = "") -> str:

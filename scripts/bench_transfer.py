@@ -651,8 +651,8 @@ def phases_main(conn: Any, nbytes: int, url: str, prefix: str, repeat: int) -> N
         timer = PhaseTimer()
         patches = [
             (buffer.RedisLookupBuffer, "insert"), (buffer.RedisLookupBuffer, "drop_select"),
-            (buffer, "_pieces"), (buffer, "_same"), (buffer.RedisLookupBuffer, "_take_pieces"),
-            (codec, "encode"), (codec, "read_header"), (codec, "decode_payload"),
+            (buffer, "_pieces"), (buffer, "_holds"), (buffer.RedisLookupBuffer, "_take_pieces"),
+            (codec.Frames, "of"), (codec.Frames, "encode"), (codec, "read_header"), (codec, "decode_payload"),
             (client.RedisStore, "put_pieces"), (client.RedisStore, "push_record"),
             (client.RedisStore, "pop_record"), (client.RedisStore, "take_pieces"),
             (redis.client.Pipeline, "execute"),

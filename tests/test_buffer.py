@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import namespace_keys
 
-from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError
+from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError, codec
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.keys import context_digest, new_entry_id
@@ -207,6 +207,42 @@ def test_a_record_for_other_tokens_under_the_key_is_rejected(make_buffer):
     buffer.store.redis.rpush(buffer.keyspace.entry(tokens).queue, record)  # planted under another key
     assert buffer.drop_select(tokens, None) == [None] * 5
     assert buffer.metrics["dropped_foreign"] == 1 and buffer.metrics["miss_foreign"] == 1
+
+
+def plant(buffer, tokens, stored_tokens, mask, key) -> None:
+    """Push a record of ``stored_tokens`` and ``mask`` under ``tokens``'s key (from this key space)."""
+    record = codec.encode([stored_tokens, mask, key, None, None],
+                          {"id": new_entry_id(), "space": buffer.keyspace.prefix}).to_bytes()
+    buffer.store.redis.rpush(buffer.keyspace.entry(tokens).queue, record)
+
+
+@pytest.mark.parametrize(
+    ("stored", "mask", "taken"),
+    [
+        (lambda t: t, lambda n: torch.ones(n, dtype=torch.bool), True),
+        (lambda t: t.to(torch.int32), lambda n: torch.ones(n, dtype=torch.bool), True),  # equal values
+        (lambda t: t.to(torch.int32) + 1, lambda n: torch.ones(n, dtype=torch.bool), False),
+        (lambda t: t[:-1], lambda n: torch.ones(n - 1, dtype=torch.bool), False),
+        (lambda t: torch.cat([t, t[:1]]), lambda n: torch.ones(n + 1, dtype=torch.bool), False),
+        (lambda t: t.reshape(1, -1), lambda n: torch.ones(n, dtype=torch.bool), False),
+        (lambda t: t, lambda n: torch.arange(n) % 2 == 0, False),
+        (lambda t: t, lambda n: torch.ones(n, dtype=torch.uint8), True),  # equal values
+        (lambda t: t, lambda n: torch.ones(n, dtype=torch.uint8) * 2, False),
+    ],
+    ids=["same", "int32-same-values", "int32-other-values", "shorter", "longer", "2d", "other-mask",
+         "uint8-mask", "mask-of-twos"],
+)
+def test_an_entry_is_taken_only_if_its_tokens_and_mask_equal_the_request(make_buffer, stored, mask, taken):
+    # kvredis writes int64 tokens and a bool mask, compared as bytes; another dtype is compared by value.
+    buffer = make_buffer(pop_timeout_s=0.2)
+    tokens, key, _, _ = kv_entry(9)
+    plant(buffer, tokens, stored(tokens), mask(len(tokens)), key)
+    entry, cause = buffer.take(tokens, None)
+    assert cause == ("hit" if taken else "foreign")
+    assert (entry is not None) == taken
+    if taken:
+        assert entry is not None and identical(entry[2], key)
+    assert buffer.metrics["dropped_foreign"] == (0 if taken else 1)
 
 
 def test_entry_larger_than_the_limit_is_refused_before_writing(make_buffer):

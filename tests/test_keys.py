@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from kvredis.keys import (
     CacheIdentity,
     EntryKeys,
     KeySpace,
+    Prompt,
     canonical_roi,
     canonical_tokens,
     check_entry_id,
@@ -95,6 +97,58 @@ def test_sliced_tensor_hashes_only_its_own_elements() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensor_gives_same_digest() -> None:
     assert prompt_digest(torch.tensor(TOKENS, device="cuda")) == prompt_digest(TOKENS)
+
+
+def reference_digest(tokens, roi=None) -> str:
+    """The documented canonical hash, through the general (numpy) path only."""
+    flat = canonical_tokens(tokens)
+    hasher = hashlib.blake2b(digest_size=16, person=b"kvredis-prompt")
+    hasher.update(len(flat).to_bytes(8, "little"))
+    hasher.update(flat.tobytes())
+    hasher.update(canonical_roi(roi, len(flat)).tobytes())
+    return hasher.hexdigest()
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        TOKENS, tuple(TOKENS), [], [0], [-(2**63), 2**63 - 1, -1], [np.int64(5), np.int32(-7), 3],
+        [True, 1, 2], [2**63], [2**64 + 5], torch.tensor(TOKENS), torch.tensor([TOKENS, TOKENS]),
+        torch.tensor(42), torch.tensor(TOKENS)[1:], torch.tensor(TOKENS)[::2],
+        torch.tensor([], dtype=torch.int64),
+    ],
+    ids=["list", "tuple", "empty", "one", "int64-range", "numpy-scalars", "bool-then-ints", "past-int64",
+         "past-uint64", "tensor", "tensor-2d", "tensor-0d", "tensor-offset", "tensor-strided",
+         "tensor-empty"],
+)
+def test_the_fast_paths_give_the_canonical_bytes_and_digest(tokens) -> None:
+    # Lists, tuples and CPU int64 tensors skip numpy; the result must be what the general path gives (or the
+    # same error).
+    try:
+        expected = canonical_tokens(tokens)
+    except (TypeError, ValueError, OverflowError) as exc:
+        with pytest.raises(type(exc)):
+            Prompt.of(tokens)
+        return
+    prompt = Prompt.of(tokens)
+    assert prompt.tokens.format == "q" and prompt.tokens.ndim == 1
+    assert prompt.tokens.tobytes() == expected.tobytes()
+    assert prompt.mask.format == "?" and prompt.mask.tobytes() == b"\x01" * len(expected)
+    assert prompt.digest == reference_digest(tokens)
+
+
+def test_a_roi_mask_gives_the_canonical_digest() -> None:
+    roi = [1, 0, 1, 1, 0, 1, 1]
+    prompt = Prompt.of(torch.tensor(TOKENS), torch.tensor(roi))
+    assert prompt.mask.tobytes() == bytes(roi)
+    assert prompt.digest == reference_digest(TOKENS, roi)
+
+
+def test_a_prompt_views_a_cpu_int64_tensor_without_copying() -> None:
+    tokens = torch.tensor(TOKENS)
+    prompt = Prompt.of(tokens)
+    tokens[0] = 1  # the view is of the caller's memory, as the numpy path's was (read during the call)
+    assert prompt.tokens[0] == 1
 
 
 def test_digest_does_not_mutate_input() -> None:
