@@ -365,7 +365,7 @@ def _holds(
     if spec is None or stored is None or spec.shape != (len(expected),):
         return False
     if spec.dtype is _CANONICAL[expected.format]:
-        offset = header.offsets()[index]
+        offset = header.starts[index]
         return raw[offset:offset + spec.nbytes].tobytes() == expected.tobytes()
     reference = torch.tensor(expected.tolist(), dtype=_CANONICAL[expected.format])
     return bool(torch.equal(stored, reference))

@@ -24,7 +24,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -47,6 +47,7 @@ FORMAT_VERSION = 2
 """The blob format written: XXH3-64 checksums."""
 
 _STEP = 1 << 20
+_xxh3_64_intdigest = xxhash.xxh3_64_intdigest
 
 
 def xxh3_64(data: Any) -> int:
@@ -55,9 +56,10 @@ def xxh3_64(data: Any) -> int:
     xxhash holds the GIL while it hashes; one 16 MiB call would keep every other thread (their sockets
     ready) waiting for it. Same value as ``xxhash.xxh3_64_intdigest(data)``.
     """
-    view = memoryview(data).cast("B")
+    view = data if type(data) is memoryview else memoryview(data)
     if view.nbytes <= 4 * _STEP:
-        return xxhash.xxh3_64_intdigest(view)
+        return _xxh3_64_intdigest(view)
+    view = view.cast("B")
     hasher = xxhash.xxh3_64()
     for start in range(0, view.nbytes, _STEP):
         hasher.update(view[start:start + _STEP])
@@ -111,8 +113,7 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
     """What the header says of one tensor."""
 
     dtype: torch.dtype
@@ -130,28 +131,28 @@ class Header:
     payload_offset: int
     version: int = FORMAT_VERSION
 
+    # Derived from specs once (each read uses them several times): where each tensor starts within the
+    # payload, and the payload's length, padding included.
+    starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    payload_nbytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        starts, position = [], 0
+        for spec in self.specs:
+            starts.append(position)
+            if spec is not None:
+                position += (spec.nbytes + ALIGN - 1) & -ALIGN
+        object.__setattr__(self, "starts", tuple(starts))
+        object.__setattr__(self, "payload_nbytes", position)
+
     @property
     def checksum(self) -> Checksum:
         """The function that computed the specs' checksums (the format version's)."""
         return CHECKSUMS[self.version]
 
-    @property
-    def payload_nbytes(self) -> int:
-        """Length of the payload that follows the header, padding included."""
-        return _payload_span(self.specs)
-
     def offsets(self) -> list[int]:
         """Where each tensor's bytes start within the payload (absent tensors take none)."""
-        result, position = [], 0
-        for spec in self.specs:
-            result.append(position)
-            if spec is not None:
-                position += _aligned(spec.nbytes)
-        return result
-
-
-def _payload_span(specs: Sequence[TensorSpec | None]) -> int:
-    return sum(_aligned(spec.nbytes) for spec in specs if spec is not None)
+        return list(self.starts)
 
 
 @dataclass
@@ -254,9 +255,8 @@ class Frames:
             padding = _aligned(data.nbytes) - data.nbytes
             if padding:
                 payload.append(_ZEROS[:padding])
-        views = iter(self.views)
-        descriptors = [None if d is None else [*d, _WRITE_CHECKSUM(next(views)) if checksum else None]
-                       for d in self.descriptors]
+        crcs = iter([_WRITE_CHECKSUM(data) if checksum else None for data in self.views])
+        descriptors = [None if d is None else [*d, next(crcs)] for d in self.descriptors]
         meta = dict(meta or {})
         try:
             packed = msgpack.packb({"v": FORMAT_VERSION, "t": descriptors, "m": meta})
@@ -332,10 +332,11 @@ def read_header(blob: bytes | bytearray | memoryview, *, max_payload_bytes: int)
     meta = raw.get("m", {})
     if not isinstance(meta, dict):
         raise CodecError("corrupt blob: metadata is not a map")
-    span = _payload_span(specs)
-    if span > max_payload_bytes:
-        raise CodecError(f"oversized blob: payload of {span} bytes exceeds the limit of {max_payload_bytes}")
-    return Header(specs, meta, _aligned(end), version)
+    header = Header(specs, meta, _aligned(end), version)
+    if header.payload_nbytes > max_payload_bytes:
+        raise CodecError(f"oversized blob: payload of {header.payload_nbytes} bytes exceeds the limit of "
+                         f"{max_payload_bytes}")
+    return header
 
 
 def _unpack_header(packed: bytes | memoryview) -> Any:
@@ -365,14 +366,15 @@ def _parse_specs(raw: Any, version: int) -> tuple[TensorSpec | None, ...]:
         dtype = DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
             raise CodecError(f"unsupported dtype {name!r} for tensor {index}")
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
-                and all(type(d) is int and d >= 0 for d in shape)):
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS):
             raise CodecError(f"corrupt blob: tensor {index} has an invalid shape {shape!r}")
-        if type(nbytes) is not int or nbytes < 0 or not (crc is None or isinstance(crc, int)):
-            raise CodecError(f"corrupt blob: tensor {index} has an invalid length or checksum")
         expected = _ITEMSIZES[name]
         for dim in shape:
+            if type(dim) is not int or dim < 0:
+                raise CodecError(f"corrupt blob: tensor {index} has an invalid shape {shape!r}")
             expected *= dim
+        if type(nbytes) is not int or nbytes < 0 or not (crc is None or isinstance(crc, int)):
+            raise CodecError(f"corrupt blob: tensor {index} has an invalid length or checksum")
         if expected != nbytes:
             raise CodecError(
                 f"shape {shape} of {name} needs {expected} bytes but tensor {index} claims {nbytes}"
@@ -404,7 +406,7 @@ def decode_payload(
         raise CodecError(f"payload is {storage.numel()} bytes, header says {span}")
     checksum = header.checksum
     tensors: list[torch.Tensor | None] = []
-    for index, (spec, offset) in enumerate(zip(header.specs, header.offsets(), strict=True)):
+    for index, (spec, offset) in enumerate(zip(header.specs, header.starts, strict=True)):
         if spec is None:
             tensors.append(None)
             continue

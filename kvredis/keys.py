@@ -16,7 +16,6 @@ import json
 import os
 import re
 import struct
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -29,9 +28,8 @@ FORMAT_VERSION = 1  # of the key layout (in every key); blobs carry their own, c
 _DIGEST_BYTES = 16  # 128 bits: collisions are out of reach, and entries re-check their tokens anyway.
 _CONTEXT = re.compile(rf"\A[0-9a-f]{{{2 * _DIGEST_BYTES}}}\Z")
 _ENTRY_ID = re.compile(r"\A[0-9a-f]{16}\Z")
+_PROMPT_HASH = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-prompt")  # copied, never updated
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-# The fast paths below view native int64 memory as the canonical little-endian bytes.
-_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 @dataclass(frozen=True)
@@ -101,8 +99,8 @@ class Prompt:
             mask = memoryview(b"\x01" * count).cast("?")
         else:
             mask = memoryview(canonical_roi(roi, count).data).cast("?")
-        hasher = hashlib.blake2b(count.to_bytes(8, "little"), digest_size=_DIGEST_BYTES,
-                                 person=b"kvredis-prompt")
+        hasher = _PROMPT_HASH.copy()
+        hasher.update(count.to_bytes(8, "little"))
         hasher.update(tokens)
         hasher.update(mask)
         if context:
@@ -113,30 +111,29 @@ class Prompt:
         return cls(tokens, mask, hasher.hexdigest())
 
 
-def _token_view(input_tokens: Any) -> memoryview:
+def _token_view(input_tokens: Any) -> memoryview[int]:
     """:func:`canonical_tokens` as a flat int64 memoryview, without numpy for the common inputs.
 
-    A CPU int64 tensor is viewed in place and a list or tuple of ints is packed with ``struct``: one or
-    two calls instead of numpy's several, which a lookup in vLLM's scheduler loop (a list of up to
-    thousands of IDs) and every small entry feel. Anything else, or anything these refuse, takes the
-    general path (which also raises the errors).
+    An integer tensor's values are read with one ``tolist`` and a list or tuple of ints is packed with
+    ``struct``: the fewest calls into torch and none into numpy, which a small entry and a lookup in
+    vLLM's scheduler loop (a list of up to thousands of IDs) feel most right after other work. Anything
+    else, or anything these refuse, takes the general path (which also raises the errors).
     """
+    values = input_tokens
     kind = type(input_tokens)
-    if kind is torch.Tensor:
-        if _LITTLE_ENDIAN and input_tokens.dtype is torch.int64 and input_tokens.is_cpu:
-            array = input_tokens.numpy()
-            if array.flags.c_contiguous:
-                return memoryview(array).cast("B").cast("q")
-    elif (kind is list or kind is tuple) and (not input_tokens or type(input_tokens[0]) is not bool):
-        # An all-bool list must raise (numpy makes it a bool array); the first element tells it apart.
+    if kind is torch.Tensor and input_tokens.dtype in _INTEGER_DTYPES:
+        values = input_tokens.tolist()  # ints from a 1-D tensor; an int or nested lists otherwise
+        kind = type(values)
+    if (kind is list or kind is tuple) and values and type(values[0]) is int:
+        # A list led by a bool must raise (numpy makes an all-bool list a bool array): it takes the
+        # general path, as does an empty one (numpy decides what an empty list or tensor is).
         try:
-            packed = struct.pack(f"<{len(input_tokens)}q", *input_tokens)
+            packed = struct.pack(f"<{len(values)}q", *values)
         except (struct.error, TypeError, OverflowError):
-            pass  # floats, strings, nested lists, values past int64: the general path decides
+            pass  # floats, strings, nested lists, values past int64
         else:
             return memoryview(packed).cast("q")
-    flat = canonical_tokens(input_tokens)
-    return flat.data.cast("B").cast("q")
+    return canonical_tokens(input_tokens).data.cast("B").cast("q")
 
 
 def prompt_digest(input_tokens: Any, roi: Any = None, context: str = "") -> str:
@@ -164,7 +161,18 @@ def context_digest(parts: Sequence[Sequence[str | int]]) -> str:
 
 def new_entry_id() -> str:
     """A fresh random entry id (64 bits, hex): names one entry's pieces and, when announced, its list."""
-    return os.urandom(8).hex()
+    try:
+        return _ENTRY_IDS.pop()  # atomic: no two threads get the same
+    except IndexError:
+        # os.urandom 256 ids at a time: one getrandom call instead of one an entry.
+        fresh = os.urandom(8 * 256).hex()
+        _ENTRY_IDS[:] = [fresh[i:i + 16] for i in range(16, len(fresh), 16)]
+        return fresh[:16]
+
+
+_ENTRY_IDS: list[str] = []
+if hasattr(os, "register_at_fork"):  # a forked child must not hand out its parent's ids
+    os.register_at_fork(after_in_child=_ENTRY_IDS.clear)
 
 
 def check_entry_id(entry_id: object) -> str:

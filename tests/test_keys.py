@@ -115,11 +115,13 @@ def reference_digest(tokens, roi=None) -> str:
         TOKENS, tuple(TOKENS), [], [0], [-(2**63), 2**63 - 1, -1], [np.int64(5), np.int32(-7), 3],
         [True, 1, 2], [2**63], [2**64 + 5], torch.tensor(TOKENS), torch.tensor([TOKENS, TOKENS]),
         torch.tensor(42), torch.tensor(TOKENS)[1:], torch.tensor(TOKENS)[::2],
-        torch.tensor([], dtype=torch.int64),
+        torch.tensor([], dtype=torch.int64), torch.tensor([-5, 300], dtype=torch.int16), torch.tensor([True]),
+        torch.tensor([1.0]), torch.tensor([]), torch.tensor([1, 2], dtype=torch.uint32),
     ],
     ids=["list", "tuple", "empty", "one", "int64-range", "numpy-scalars", "bool-then-ints", "past-int64",
          "past-uint64", "tensor", "tensor-2d", "tensor-0d", "tensor-offset", "tensor-strided",
-         "tensor-empty"],
+         "tensor-empty", "tensor-int16", "tensor-bool", "tensor-float", "tensor-float-empty",
+         "tensor-uint32"],
 )
 def test_the_fast_paths_give_the_canonical_bytes_and_digest(tokens) -> None:
     # Lists, tuples and CPU int64 tensors skip numpy; the result must be what the general path gives (or the
@@ -144,11 +146,11 @@ def test_a_roi_mask_gives_the_canonical_digest() -> None:
     assert prompt.digest == reference_digest(TOKENS, roi)
 
 
-def test_a_prompt_views_a_cpu_int64_tensor_without_copying() -> None:
+def test_a_prompt_keeps_the_tokens_it_was_made_of() -> None:
     tokens = torch.tensor(TOKENS)
     prompt = Prompt.of(tokens)
-    tokens[0] = 1  # the view is of the caller's memory, as the numpy path's was (read during the call)
-    assert prompt.tokens[0] == 1
+    tokens[0] = 1
+    assert prompt.tokens.tolist() == TOKENS
 
 
 def test_digest_does_not_mutate_input() -> None:
@@ -500,3 +502,40 @@ def test_entry_ids_are_checked_before_naming_a_key() -> None:
     for bad in ["", "x" * 16, "0123", "*", "0123456789abcdef:q", None, 7]:
         with pytest.raises(ValueError, match="entry id"):
             keys.entry_queue(bad)  # type: ignore[arg-type]
+
+
+def test_entry_ids_are_unique_across_refills_and_threads() -> None:
+    import threading
+
+    got: list[list[str]] = [[] for _ in range(4)]
+
+    def draw(out: list[str]) -> None:
+        out.extend(new_entry_id() for _ in range(2000))
+
+    workers = [threading.Thread(target=draw, args=(out,)) for out in got]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    ids = [entry_id for out in got for entry_id in out]
+    assert len(ids) == 8000 and len(set(ids)) == 8000  # more than 256: the batch was refilled many times
+    assert all(check_entry_id(entry_id) == entry_id for entry_id in ids)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_reuse_its_parents_entry_ids() -> None:
+    new_entry_id()  # the parent now holds a batch of ids it has not handed out
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: send its ids and leave at once
+        try:
+            os.write(write, "".join(new_entry_id() for _ in range(100)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read().decode()
+    os.waitpid(pid, 0)
+    child = {data[i:i + 16] for i in range(0, len(data), 16)}
+    parent = {new_entry_id() for _ in range(100)}
+    assert len(child) == 100 and not child & parent
