@@ -130,20 +130,16 @@ class Header:
     meta: dict[str, Any]
     payload_offset: int
     version: int = FORMAT_VERSION
-
-    # Derived from specs once (each read uses them several times): where each tensor starts within the
-    # payload, and the payload's length, padding included.
-    starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    payload_nbytes: int = field(init=False, repr=False, compare=False)
+    # Derived from specs (each read uses them several times; read_header has them already): where each
+    # tensor starts within the payload, and the payload's length, padding included.
+    starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    payload_nbytes: int = field(default=-1, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        starts, position = [], 0
-        for spec in self.specs:
-            starts.append(position)
-            if spec is not None:
-                position += (spec.nbytes + ALIGN - 1) & -ALIGN
-        object.__setattr__(self, "starts", tuple(starts))
-        object.__setattr__(self, "payload_nbytes", position)
+        if self.payload_nbytes < 0:
+            starts, position = _layout(self.specs)
+            object.__setattr__(self, "starts", starts)
+            object.__setattr__(self, "payload_nbytes", position)
 
     @property
     def checksum(self) -> Checksum:
@@ -153,6 +149,16 @@ class Header:
     def offsets(self) -> list[int]:
         """Where each tensor's bytes start within the payload (absent tensors take none)."""
         return list(self.starts)
+
+
+def _layout(specs: Sequence[TensorSpec | None]) -> tuple[tuple[int, ...], int]:
+    """Where each tensor starts within the payload, and the payload's length (padding included)."""
+    starts, position = [], 0
+    for spec in specs:
+        starts.append(position)
+        if spec is not None:
+            position += (spec.nbytes + ALIGN - 1) & -ALIGN
+    return tuple(starts), position
 
 
 @dataclass
@@ -316,7 +322,8 @@ def read_header(blob: bytes | bytearray | memoryview, *, max_payload_bytes: int)
     magic, version, length, crc = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise CodecError(f"foreign blob: starts with {bytes(view[:3])!r}, not {MAGIC!r}")
-    if version not in CHECKSUMS:
+    checksum = CHECKSUMS.get(version)
+    if checksum is None:
         readable = " and ".join(str(v) for v in CHECKSUMS)
         raise CodecError(f"blob has format version {version}; this kvredis reads versions {readable}")
     if length > MAX_HEADER_BYTES:
@@ -325,18 +332,16 @@ def read_header(blob: bytes | bytearray | memoryview, *, max_payload_bytes: int)
     if view.nbytes < end:
         raise CodecError(f"truncated blob: header needs {end} bytes, blob has {view.nbytes}")
     packed = view[_PREFIX.size:end]
-    if header_checksum(version, packed) != crc:
+    if checksum(packed) & 0xFFFFFFFF != crc:
         raise CodecError("corrupt blob: header checksum mismatch")
     raw = _unpack_header(packed)
-    specs = _parse_specs(raw, version)
+    specs, starts, span = _parse_specs(raw, version)
     meta = raw.get("m", {})
     if not isinstance(meta, dict):
         raise CodecError("corrupt blob: metadata is not a map")
-    header = Header(specs, meta, _aligned(end), version)
-    if header.payload_nbytes > max_payload_bytes:
-        raise CodecError(f"oversized blob: payload of {header.payload_nbytes} bytes exceeds the limit of "
-                         f"{max_payload_bytes}")
-    return header
+    if span > max_payload_bytes:
+        raise CodecError(f"oversized blob: payload of {span} bytes exceeds the limit of {max_payload_bytes}")
+    return Header(specs, meta, (end + ALIGN - 1) & -ALIGN, version, starts, span)
 
 
 def _unpack_header(packed: bytes | memoryview) -> Any:
@@ -350,37 +355,42 @@ def _unpack_header(packed: bytes | memoryview) -> Any:
         raise CodecError(f"corrupt blob: header is not valid msgpack ({type(exc).__name__})") from None
 
 
-def _parse_specs(raw: Any, version: int) -> tuple[TensorSpec | None, ...]:
+def _parse_specs(raw: Any, version: int) -> tuple[tuple[TensorSpec | None, ...], tuple[int, ...], int]:
+    """The header's tensor specs, where each starts within the payload, and the payload's length."""
     if not isinstance(raw, dict) or raw.get("v") != version or not isinstance(raw.get("t"), list):
         raise CodecError("corrupt blob: header lacks version and tensor list")
-    if len(raw["t"]) > MAX_TENSORS:
-        raise CodecError(f"corrupt blob: {len(raw['t'])} tensors, at most {MAX_TENSORS} allowed")
+    items = raw["t"]
+    if len(items) > MAX_TENSORS:
+        raise CodecError(f"corrupt blob: {len(items)} tensors, at most {MAX_TENSORS} allowed")
     specs: list[TensorSpec | None] = []
-    for index, item in enumerate(raw["t"]):
+    starts: list[int] = []
+    position = 0
+    for index, item in enumerate(items):
+        starts.append(position)
         if item is None:
             specs.append(None)
             continue
-        if not (isinstance(item, list) and len(item) == 4):
+        if not (type(item) is list and len(item) == 4):
             raise CodecError(f"corrupt blob: tensor {index} descriptor is malformed")
         name, shape, nbytes, crc = item
-        dtype = DTYPES.get(name) if isinstance(name, str) else None
-        if dtype is None:
+        expected = _ITEMSIZES.get(name) if type(name) is str else None
+        if expected is None:
             raise CodecError(f"unsupported dtype {name!r} for tensor {index}")
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS):
+        if not (type(shape) is list and len(shape) <= MAX_DIMS):
             raise CodecError(f"corrupt blob: tensor {index} has an invalid shape {shape!r}")
-        expected = _ITEMSIZES[name]
         for dim in shape:
             if type(dim) is not int or dim < 0:
                 raise CodecError(f"corrupt blob: tensor {index} has an invalid shape {shape!r}")
             expected *= dim
-        if type(nbytes) is not int or nbytes < 0 or not (crc is None or isinstance(crc, int)):
+        if type(nbytes) is not int or nbytes < 0 or not (crc is None or type(crc) is int):
             raise CodecError(f"corrupt blob: tensor {index} has an invalid length or checksum")
         if expected != nbytes:
             raise CodecError(
                 f"shape {shape} of {name} needs {expected} bytes but tensor {index} claims {nbytes}"
             )
-        specs.append(TensorSpec(dtype, tuple(shape), nbytes, crc))
-    return tuple(specs)
+        specs.append(TensorSpec(DTYPES[name], tuple(shape), nbytes, crc))
+        position += (nbytes + ALIGN - 1) & -ALIGN
+    return tuple(specs), tuple(starts), position
 
 
 def decode_payload(
