@@ -11,6 +11,7 @@ import torch
 from conftest import namespace_keys
 
 from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError, codec
+from kvredis import buffer as buffer_module
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.keys import context_digest, new_entry_id
@@ -442,3 +443,40 @@ def test_discard_waits_for_an_entry_still_being_written(make_buffer):
     finally:
         writer.join()
     assert namespace_keys(buffer) == []
+
+
+def _advised_huge(tensor: torch.Tensor) -> bool:
+    """Whether the mapping holding ``tensor``'s first byte carries MADV_HUGEPAGE ("hg" in smaps' VmFlags)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return "hg" in line.split()
+    return False
+
+
+@pytest.mark.skipif(buffer_module._MADV_HUGEPAGE is None, reason="madvise(MADV_HUGEPAGE) is Linux's")
+@pytest.mark.parametrize(("nbytes", "huge"), [(4 << 20, False), (32 << 20, True), (128 << 20, True),
+                                              ((128 << 20) + 4096, False)])
+def test_large_outputs_are_advised_to_use_huge_pages(nbytes, huge):
+    out = buffer_module._fresh_output(nbytes)
+    assert out.dtype == torch.uint8 and out.numel() == nbytes
+    assert _advised_huge(out) is huge
+    out[::4096] = 7  # writable everywhere, and still there once nothing but the tensor holds the mapping
+    del nbytes
+    import gc
+    gc.collect()
+    assert int(out[::4096].sum()) == 7 * out[::4096].numel()
+
+
+def test_an_output_without_huge_pages_is_still_an_output(monkeypatch):
+    monkeypatch.setattr(buffer_module, "_MADV_HUGEPAGE", -1)  # madvise refuses it: plain pages
+    out = buffer_module._fresh_output(64 << 20)
+    assert out.numel() == 64 << 20
+    out.fill_(3)
+    assert int(out[-1]) == 3
