@@ -565,7 +565,8 @@ class Worker:
 
 
 def measure(ctx: Any, variants: dict[str, tuple[str, dict[str, str]]], nbytes: int, repeat: int, url: str,
-            prefix: str, tick: Callable[[], None] = lambda: None) -> dict[str, dict[str, Any]]:
+            prefix: str, tick: Callable[[], None] = lambda: None,
+            warmup: int = 2) -> dict[str, dict[str, Any]]:
     """``repeat`` write+read round trips of each variant (name: (path, env)) at one size.
 
     Each variant's writer and reader are fresh processes. Round trips are interleaved (rep 1 of every
@@ -580,7 +581,7 @@ def measure(ctx: Any, variants: dict[str, tuple[str, dict[str, str]]], nbytes: i
         for name, (writer, reader) in workers.items():
             writer.ready()
             reader.ready()
-            for rep in range(2):
+            for rep in range(warmup):  # the same for every path
                 tag = f"{prefix}-{_tagged(name)}-{fmt_size(nbytes)}-warmup{rep}"
                 writer.run(tag, "warmup")
                 reader.run(tag, "warmup")
@@ -755,9 +756,9 @@ def lookup_main(conn: Any, url: str, namespace: str, lengths: tuple[int, ...]) -
 
 
 def run_lookups(ctx: Any, url: str, prefix: str, repeat: int, lengths: tuple[int, ...] = LOOKUP_TOKENS,
-                tick: Callable[[], None] = lambda: None) -> dict[int, dict[str, Any]]:
+                tick: Callable[[], None] = lambda: None, warmup: int = 2) -> dict[int, dict[str, Any]]:
     """``repeat`` measured lookups of each prompt length in one fresh process, lengths interleaved, after
-    the two warm-up round trips each that the transfer paths get too."""
+    ``warmup`` unrecorded ones each (as many as the transfer paths' warm-up round trips)."""
     parent, child = ctx.Pipe()
     process = ctx.Process(target=lookup_main, args=(child, url, f"{prefix}-lookup", lengths), daemon=True)
     process.start()
@@ -772,7 +773,7 @@ def run_lookups(ctx: Any, url: str, prefix: str, repeat: int, lengths: tuple[int
     runs: dict[int, list[dict[str, Any]]] = {length: [] for length in lengths}
     try:
         reply()  # ready
-        for rep in range(-2, repeat):  # -2, -1: warm-up, not recorded
+        for rep in range(-warmup, repeat):  # below 0: warm-up, not recorded
             for length in lengths if rep % 2 == 0 else lengths[::-1]:
                 parent.send(("lookup", length))
                 record = reply()
@@ -1088,6 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", action="store_true",
                         help="also time kvredis's internal phases (insert, drop_select) per size")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="4 KiB round trips through every path's clients before measuring (default 2)")
     parser.add_argument("--lookup-repeat", type=int, default=51, metavar="N",
                         help="measured lookups (RedisLookupBuffer.contains) of a 1- and a 1000-token prompt "
                              "(default 51; 0: skip)")
@@ -1155,11 +1158,11 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         variants[path] = (path, {})
                 repeat = args.small_repeat if size <= 1 << 20 else args.repeat
-                measured_paths = measure(ctx, variants, size, repeat, args.url, prefix, tick)
+                measured_paths = measure(ctx, variants, size, repeat, args.url, prefix, tick, args.warmup)
                 results[size] = {p: results[size].get(p) or measured_paths[p] for p in paths}
         if args.lookup_repeat and not args.sweep_only:
             bar.set_description("lookups")
-            lookups = run_lookups(ctx, args.url, prefix, args.lookup_repeat, tick=tick)
+            lookups = run_lookups(ctx, args.url, prefix, args.lookup_repeat, tick=tick, warmup=args.warmup)
         if args.sweep or args.sweep_only:
             bar.set_description(f"sweep {fmt_size(args.sweep_size)}")
             variants = {f"{c}/{i}": ("kvredis", {"KVREDIS_CHUNK_BYTES": c, "KVREDIS_INFLIGHT_BYTES": i})
@@ -1186,7 +1189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     emit(f"# {info['date']}  Redis {info['redis_version']}, redis-py {info['redis_py']}, hiredis "
          f"{info['hiredis']}, torch {info['torch']}, {info['cpus']} CPUs ({info.get('cpu_model', '?')})")
-    emit(f"# write/read: median ms over {args.repeat} round trips ({args.small_repeat} up to 1MiB); "
+    emit(f"# write/read: median ms over {args.repeat} round trips ({args.small_repeat} up to 1MiB), after "
+         f"{args.warmup} warm-up round trips of every path; "
          "RT MB/s = key+value bytes / (write+read), 10^6 B/s, median and best;")
     emit("# ratios = throughput of kvredis over the other path (its time / kvredis's), median (best)")
     emit("# mem = extra peak RSS of the writer / reader process in its phase, x payload (output included;")
