@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -58,6 +59,9 @@ _MIN_CHUNK, _MAX_CHUNK = 4096, 256 << 20  # KVREDIS_CHUNK_BYTES's range
 # 1.6 s instead of 0.76 s: fresh huge pages there cost more than they save), so those keep plain pages.
 _HUGE_OUTPUT_RANGE = (32 << 20, 128 << 20)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+# Entries this large (and chunked) are hashed in a thread while their pieces are sent: at 128 MiB the
+# checksum took 14 ms of a 90 ms write, which the raw-socket reference does not spend (docs/benchmarks.md).
+_HASH_ALONGSIDE_BYTES = 32 << 20
 
 
 class RedisLookupBuffer:
@@ -121,10 +125,31 @@ class RedisLookupBuffer:
             count = -(-size // chunk)
             meta.update(chunk=chunk, pieces=count)
             piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
-        encoded = frames.encode(meta, checksum=self.config.checksum)
+        alongside: _Alongside | None = None
+        if piece_keys and self.config.checksum and size >= _HASH_ALONGSIDE_BYTES:
+            # The checksums go into the record, which is written last: they are computed while the pieces
+            # go out (the socket gives the GIL up while Redis drains it). The header is tried first, so that
+            # what cannot be written is refused before anything is.
+            frames.encode(meta, checksum=False)
+            alongside = _Alongside(frames.checksums)
+            payload = frames.payload()
+        else:
+            encoded = frames.encode(meta, checksum=self.config.checksum)
+            payload = encoded.payload
         try:
             if piece_keys:
-                self.store.put_pieces(piece_keys, _pieces(encoded.payload, chunk), ttl_ms)
+                try:
+                    self.store.put_pieces(piece_keys, _pieces(payload, chunk), ttl_ms)
+                except BaseException:
+                    if alongside is not None:
+                        alongside.join()  # not left running over the caller's tensors; its result is moot
+                    raise
+                if alongside is not None:
+                    try:
+                        encoded = frames.encode(meta, crcs=alongside.result())
+                    except BaseException:
+                        self._discard(piece_keys, queue)  # no record will name them
+                        raise
                 self.store.push_record(queue, encoded.header, ttl_ms)
             else:
                 # Header and payload go out as one value, without joining them first.
@@ -378,6 +403,33 @@ def _holds(
         return raw[offset:offset + spec.nbytes].tobytes() == expected.tobytes()
     reference = torch.tensor(expected.tolist(), dtype=_CANONICAL[expected.format])
     return bool(torch.equal(stored, reference))
+
+
+class _Alongside:
+    """``work()`` in a thread of its own, for what can run while the caller waits on a socket."""
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="kvredis-checksum", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Any]) -> None:
+        try:
+            self._result = work()
+        except BaseException as exc:  # handed to result(): the thread never dies silently
+            self._error = exc
+
+    def join(self) -> None:
+        """Wait for the work to end."""
+        self._thread.join()
+
+    def result(self) -> Any:
+        """The work's result, once it ends; its exception, raised here, if it failed."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def _fresh_output(nbytes: int) -> torch.Tensor:

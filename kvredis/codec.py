@@ -253,16 +253,34 @@ class Frames:
             total += _aligned(data.nbytes)
         return cls(descriptors, views, total)
 
-    def encode(self, meta: Mapping[str, Any] | None = None, *, checksum: bool = True) -> Encoded:
-        """The blob of these frames and ``meta``: the header, then the views with their padding."""
+    def payload(self) -> list[memoryview]:
+        """The payload as buffers: each view, then its zero padding to the next 64-byte boundary."""
         payload: list[memoryview] = []
         for data in self.views:
             payload.append(data)
             padding = _aligned(data.nbytes) - data.nbytes
             if padding:
                 payload.append(_ZEROS[:padding])
-        crcs = iter([_WRITE_CHECKSUM(data) if checksum else None for data in self.views])
-        descriptors = [None if d is None else [*d, next(crcs)] for d in self.descriptors]
+        return payload
+
+    def checksums(self) -> list[int]:
+        """Each view's checksum, as :meth:`encode` writes it (format :data:`FORMAT_VERSION`)."""
+        return [_WRITE_CHECKSUM(data) for data in self.views]
+
+    def encode(
+        self, meta: Mapping[str, Any] | None = None, *, checksum: bool = True,
+        crcs: Sequence[int] | None = None,
+    ) -> Encoded:
+        """The blob of these frames and ``meta``: the header, then the views with their padding.
+
+        ``crcs`` are the views' :meth:`checksums` when they were computed already (elsewhere, meanwhile).
+        """
+        if crcs is None:
+            crcs = self.checksums() if checksum else [None] * len(self.views)  # type: ignore[list-item]
+        elif len(crcs) != len(self.views):
+            raise ValueError(f"{len(crcs)} checksums for {len(self.views)} tensors")
+        each = iter(crcs)
+        descriptors = [None if d is None else [*d, next(each)] for d in self.descriptors]
         meta = dict(meta or {})
         try:
             packed = msgpack.packb({"v": FORMAT_VERSION, "t": descriptors, "m": meta})
@@ -278,7 +296,7 @@ class Frames:
         crc = header_checksum(FORMAT_VERSION, packed)
         head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(packed), crc) + packed
         head += bytes(_aligned(len(head)) - len(head))
-        return Encoded(head, payload)
+        return Encoded(head, self.payload())
 
 
 def _fits_reader_limits(meta: dict[str, Any]) -> bool:

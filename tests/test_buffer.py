@@ -480,3 +480,62 @@ def test_an_output_without_huge_pages_is_still_an_output(monkeypatch):
     assert out.numel() == 64 << 20
     out.fill_(3)
     assert int(out[-1]) == 3
+
+
+def _big_entry() -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and a key just over the size whose checksums are computed alongside the pieces' writes."""
+    tokens = torch.arange(8)
+    key = torch.zeros(buffer_module._HASH_ALONGSIDE_BYTES // 2, dtype=torch.bfloat16)
+    key[::4097] = 1.5
+    return tokens, key
+
+
+def _checksum_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvredis-checksum"]
+
+
+def test_a_large_entry_hashed_alongside_its_pieces_reads_back_verified(make_buffer):
+    buffer = make_buffer()
+    tokens, key = _big_entry()
+    buffer.insert(tokens, None, key, None, None)
+    entry = buffer.drop_select(tokens, None)  # the reader checks every checksum
+    assert entry[2] is not None and torch.equal(entry[2], key)
+    assert _checksum_threads() == []
+
+
+def test_a_failed_piece_write_waits_for_the_checksums_and_raises_the_store_error(make_buffer, monkeypatch):
+    buffer = make_buffer()
+    tokens, key = _big_entry()
+    finished: list[bool] = []
+    checksums = codec.Frames.checksums
+
+    def slow_checksums(self):
+        time.sleep(0.2)  # still hashing when the write fails
+        result = checksums(self)
+        finished.append(True)
+        return result
+
+    def refuse(*args, **kwargs):
+        raise KVRedisConnectionError("connection lost")
+
+    monkeypatch.setattr(codec.Frames, "checksums", slow_checksums)
+    monkeypatch.setattr(buffer.store, "put_pieces", refuse)
+    with pytest.raises(KVRedisConnectionError, match="connection lost"):
+        buffer.insert(tokens, None, key, None, None)
+    assert finished == [True] and _checksum_threads() == []  # joined, not left running
+    assert buffer.metrics["store_failed_error"] == 1
+    assert buffer.drop_select(tokens, None) == [None] * 5
+
+
+def test_a_failed_checksum_computation_is_raised_and_no_record_written(make_buffer, monkeypatch):
+    buffer = make_buffer(pop_timeout_s=0.2)
+    tokens, key = _big_entry()
+
+    def broken(self):
+        raise RuntimeError("hashing failed")
+
+    monkeypatch.setattr(codec.Frames, "checksums", broken)
+    with pytest.raises(RuntimeError, match="hashing failed"):
+        buffer.insert(tokens, None, key, None, None)
+    assert _checksum_threads() == []
+    assert namespace_keys(buffer) == []  # no record, and the pieces written meanwhile deleted

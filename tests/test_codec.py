@@ -866,3 +866,13 @@ def test_the_stepped_xxh3_equals_xxhashs_one_call(size: int) -> None:
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     assert codec.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
     assert codec.CHECKSUMS[2] is codec.xxh3_64
+
+
+def test_checksums_computed_beforehand_give_the_same_blob() -> None:
+    frames = codec.Frames.of(sample())
+    meta = {"id": "0123456789abcdef"}
+    crcs = frames.checksums()
+    assert frames.encode(meta, crcs=crcs).to_bytes() == frames.encode(meta).to_bytes()
+    assert len(crcs) == len(frames.views)
+    with pytest.raises(ValueError, match="checksums for"):
+        frames.encode(meta, crcs=crcs[:-1])
