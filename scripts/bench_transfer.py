@@ -1146,6 +1146,11 @@ def main(argv: list[str] | None = None) -> int:
             steps += args.lookup_repeat
         bar = tqdm(total=steps, disable=args.no_progress, unit="round trip", file=sys.stderr)
         tick = lambda: bar.update(1)  # noqa: E731
+        if args.lookup_repeat and not args.sweep_only:
+            # First: a latency measurement, before the bulk transfers, whose after-effects (Redis handing
+            # GiBs of memory back) would land on it.
+            bar.set_description("lookups")
+            lookups = run_lookups(ctx, args.url, prefix, args.lookup_repeat, tick=tick, warmup=args.warmup)
         if not args.sweep_only:
             for size in sizes:
                 bar.set_description(f"{fmt_size(size):>6}")
@@ -1160,9 +1165,6 @@ def main(argv: list[str] | None = None) -> int:
                 repeat = args.small_repeat if size <= 1 << 20 else args.repeat
                 measured_paths = measure(ctx, variants, size, repeat, args.url, prefix, tick, args.warmup)
                 results[size] = {p: results[size].get(p) or measured_paths[p] for p in paths}
-        if args.lookup_repeat and not args.sweep_only:
-            bar.set_description("lookups")
-            lookups = run_lookups(ctx, args.url, prefix, args.lookup_repeat, tick=tick, warmup=args.warmup)
         if args.sweep or args.sweep_only:
             bar.set_description(f"sweep {fmt_size(args.sweep_size)}")
             variants = {f"{c}/{i}": ("kvredis", {"KVREDIS_CHUNK_BYTES": c, "KVREDIS_INFLIGHT_BYTES": i})
