@@ -81,3 +81,25 @@ def test_a_real_run_measures_every_lookup_and_leaves_no_key(bench: Any, real_red
     client = redis.Redis.from_url(real_redis_url)
     assert list(client.scan_iter(match=f"{prefix}*")) == []
     client.close()
+
+
+def test_priming_redis_leaves_no_key_and_skips_small_sizes(bench: Any, real_redis_url: str) -> None:
+    client = redis.Redis.from_url(real_redis_url)
+    tag = f"kvbench-test-{uuid.uuid4().hex[:8]}-prime"
+    seen: list[int] = []
+    original = bench.MiniResp.command
+
+    def counting(self: Any, *args: bytes) -> bytes:
+        if args and args[0] == b"DEL":
+            seen.append(len(args) - 1)
+        return original(self, *args)
+
+    try:
+        bench.MiniResp.command = counting
+        bench.prime_redis(real_redis_url, (3 << 20) + 5, tag)  # rounded up to 4 values of 1 MiB
+        bench.prime_redis(real_redis_url, 64 << 10, tag)  # below a piece: nothing to prime
+    finally:
+        bench.MiniResp.command = original
+    assert seen == [4]
+    assert list(client.scan_iter(match=f"{tag}*")) == []
+    client.close()
