@@ -19,7 +19,10 @@ multimodal inputs or a tenant's salt give the same tokens another key.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +56,16 @@ Allocate = Callable[[int], torch.Tensor]
 
 _MISS: tuple[None, None, None, None, None] = (None, None, None, None, None)
 _MIN_CHUNK, _MAX_CHUNK = 4096, 256 << 20  # KVREDIS_CHUNK_BYTES's range
+# Outputs of this range are received into memory advised to use transparent huge pages (Linux): filling
+# fresh memory is mostly page faults, and 2 MiB pages take 512 times fewer. Measured on the test VM
+# (docs/benchmarks.md): 128 MiB entries read in 52-80 ms instead of 95-110; at 16 MiB no gain (the allocator
+# reuses freed memory); from 256 MiB the results went both ways and 1 GiB reads got slower (a median of
+# 1.6 s instead of 0.76 s: fresh huge pages there cost more than they save), so those keep plain pages.
+_HUGE_OUTPUT_RANGE = (32 << 20, 128 << 20)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+# Entries this large (and chunked) are hashed in a thread while their pieces are sent: at 128 MiB the
+# checksum took 14 ms of a 90 ms write, which the raw-socket reference does not spend (docs/benchmarks.md).
+_HASH_ALONGSIDE_BYTES = 32 << 20
 
 
 class RedisLookupBuffer:
@@ -98,10 +111,11 @@ class RedisLookupBuffer:
         announced = entry_id is not None
         entry_id = check_entry_id(entry_id) if announced else new_entry_id()
         prompt = Prompt.of(input_tokens, roi, context)
-        tokens, mask = torch.from_numpy(prompt.tokens), torch.from_numpy(prompt.mask).to(torch.bool)
         keys = self.keyspace.keys_for(prompt)
-        tensors = [tokens, mask, key, value, hidden]
-        size = codec.payload_size(tensors)
+        # The token IDs and mask go in as the prompt's canonical bytes (int64 and bool views): no tensor
+        # is made of them.
+        frames = codec.Frames.of([prompt.tokens, prompt.mask, key, value, hidden])
+        size = frames.nbytes
         if size > self.config.max_entry_bytes:
             raise EntryTooLargeError(
                 f"entry of {size} bytes exceeds KVREDIS_MAX_ENTRY_BYTES={self.config.max_entry_bytes}"
@@ -111,16 +125,35 @@ class RedisLookupBuffer:
         queue = keys.entry_queue(entry_id) if announced else keys.queue
         meta: dict[str, Any] = {"id": entry_id, "space": self.keyspace.prefix}
         piece_keys: list[str] = []
-        if size <= chunk:
-            encoded = codec.encode(tensors, meta, checksum=self.config.checksum)
-        else:
+        if size > chunk:
             count = -(-size // chunk)
             meta.update(chunk=chunk, pieces=count)
-            encoded = codec.encode(tensors, meta, checksum=self.config.checksum)
             piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
+        alongside: _Alongside | None = None
+        if piece_keys and self.config.checksum and size >= _HASH_ALONGSIDE_BYTES:
+            # The checksums go into the record, which is written last: they are computed while the pieces
+            # go out (the socket gives the GIL up while Redis drains it). The header is tried first, so that
+            # what cannot be written is refused before anything is.
+            frames.encode(meta, checksum=False)
+            alongside = _Alongside(frames.checksums)
+            payload = frames.payload()
+        else:
+            encoded = frames.encode(meta, checksum=self.config.checksum)
+            payload = encoded.payload
         try:
             if piece_keys:
-                self.store.put_pieces(piece_keys, _pieces(encoded.payload, chunk), ttl_ms)
+                try:
+                    self.store.put_pieces(piece_keys, _pieces(payload, chunk), ttl_ms)
+                except BaseException:
+                    if alongside is not None:
+                        alongside.join()  # not left running over the caller's tensors; its result is moot
+                    raise
+                if alongside is not None:
+                    try:
+                        encoded = frames.encode(meta, crcs=alongside.result())
+                    except BaseException:
+                        self._discard(piece_keys, queue)  # no record will name them
+                        raise
                 self.store.push_record(queue, encoded.header, ttl_ms)
             else:
                 # Header and payload go out as one value, without joining them first.
@@ -160,7 +193,6 @@ class RedisLookupBuffer:
         if input_tokens is None:
             raise ValueError("drop_select needs input_tokens: entries are looked up by their tokens")
         prompt = Prompt.of(input_tokens, roi, context)
-        tokens, mask = torch.from_numpy(prompt.tokens), torch.from_numpy(prompt.mask).to(torch.bool)
         keys = self.keyspace.keys_for(prompt)
         queue = keys.entry_queue(entry_id) if entry_id is not None else keys.queue
         started = time.perf_counter()
@@ -180,9 +212,9 @@ class RedisLookupBuffer:
                     continue
                 if record is None:
                     break
-                entry, cause = self._read_entry(keys, record, tokens, mask, entry_id, allocate)
+                entry, cause, size = self._read_entry(keys, record, prompt, entry_id, allocate)
                 if entry is not None:
-                    self.metrics.loaded(codec.payload_size(entry), time.perf_counter() - started)
+                    self.metrics.loaded(size, time.perf_counter() - started)
                     logger.debug("loaded an entry from %s", queue)
                     return entry, cause
         except KVRedisError as exc:
@@ -253,10 +285,10 @@ class RedisLookupBuffer:
             raise
 
     def _read_entry(
-        self, keys: EntryKeys, record: bytes | bytearray, tokens: torch.Tensor, mask: torch.Tensor,
-        entry_id: str | None = None, allocate: Allocate | None = None,
-    ) -> tuple[Entry | None, str]:
-        """The entry in ``record``, or ``None`` and why it was dropped."""
+        self, keys: EntryKeys, record: bytes | bytearray, prompt: Prompt, entry_id: str | None = None,
+        allocate: Allocate | None = None,
+    ) -> tuple[Entry | None, str, int]:
+        """The entry in ``record`` and its payload size, or ``None`` and why it was dropped."""
         try:
             header = codec.read_header(record, max_payload_bytes=self.config.max_entry_bytes)
             space = header.meta.get("space")
@@ -264,33 +296,36 @@ class RedisLookupBuffer:
                 self.metrics.dropped("foreign")
                 logger.warning("dropped an entry in %s written for another namespace or model identity "
                                "(%r)", keys.queue, space)
-                return None, "foreign"
+                return None, "foreign", 0
             if entry_id is not None and header.meta.get("id") != entry_id:
                 self.metrics.dropped("foreign")
                 logger.warning("dropped a record in the list of entry %s that names entry %r", entry_id,
                                header.meta.get("id"))
-                return None, "foreign"
+                return None, "foreign", 0
             pieces = header.meta.get("pieces", 0)
             if not pieces:
                 payload: Any = memoryview(record)[header.payload_offset:]
+                raw = payload
                 if allocate is not None and payload.nbytes == header.payload_nbytes:
                     payload = _received(allocate, payload.nbytes, payload)
             else:
                 payload, cause = self._take_pieces(keys, header, allocate)
                 if payload is None:
                     self.metrics.dropped(cause)
-                    return None, cause
+                    return None, cause, 0
+                raw = payload.numpy().data
             entry = codec.decode_payload(header, payload, verify=self.config.checksum)
         except CodecError as exc:
             cause = "foreign" if "foreign" in str(exc) or "version" in str(exc) else "corrupt"
             self.metrics.dropped(cause)
             logger.warning("dropped an unreadable entry in %s (%s): %s", keys.queue, cause, exc)
-            return None, cause
-        if len(entry) != 5 or not _same(entry[0], tokens) or not _same(entry[1], mask):
+            return None, cause, 0
+        if len(entry) != 5 or not _holds(header, raw, entry, 0, prompt.tokens) \
+                or not _holds(header, raw, entry, 1, prompt.mask):
             self.metrics.dropped("foreign")
             logger.warning("dropped an entry in %s whose tokens differ from the request", keys.queue)
-            return None, "foreign"
-        return entry, "hit"
+            return None, "foreign", 0
+        return entry, "hit", header.payload_nbytes
 
     def _take_pieces(
         self, keys: EntryKeys, header: codec.Header, allocate: Allocate | None = None
@@ -307,7 +342,7 @@ class RedisLookupBuffer:
             raise CodecError(f"corrupt record: inconsistent piece layout {meta!r} for {total} bytes")
         piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
         sizes = [min(chunk, total - i * chunk) for i in range(count)]
-        out = torch.empty(total, dtype=torch.uint8) if allocate is None else _received(allocate, total)
+        out = _fresh_output(total) if allocate is None else _received(allocate, total)
         try:
             bad = self.store.take_pieces(piece_keys, sizes, out.numpy().data.cast("B"))
         except KVRedisError as exc:
@@ -366,8 +401,66 @@ class RedisLookupBuffer:
         self.close()
 
 
-def _same(stored: torch.Tensor | None, expected: torch.Tensor) -> bool:
-    return stored is not None and stored.shape == expected.shape and bool(torch.equal(stored, expected))
+_CANONICAL = {"q": torch.int64, "?": torch.bool}  # the dtype kvredis writes each prompt view's bytes as
+
+
+def _holds(
+    header: codec.Header, raw: memoryview, entry: Entry, index: int, expected: memoryview[Any]
+) -> bool:
+    """Whether tensor ``index`` of the decoded entry equals ``expected`` (the prompt's tokens or mask).
+
+    What kvredis writes (int64 tokens, bool mask) is compared as bytes, in place; another dtype by value,
+    as :func:`torch.equal` does (it promotes).
+    """
+    spec, stored = header.specs[index], entry[index]
+    if spec is None or stored is None or spec.shape != (len(expected),):
+        return False
+    if spec.dtype is _CANONICAL[expected.format]:
+        offset = header.starts[index]
+        return raw[offset:offset + spec.nbytes].tobytes() == expected.tobytes()
+    reference = torch.tensor(expected.tolist(), dtype=_CANONICAL[expected.format])
+    return bool(torch.equal(stored, reference))
+
+
+class _Alongside:
+    """``work()`` in a thread of its own, for what can run while the caller waits on a socket."""
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="kvredis-checksum", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Any]) -> None:
+        try:
+            self._result = work()
+        except BaseException as exc:  # handed to result(): the thread never dies silently
+            self._error = exc
+
+    def join(self) -> None:
+        """Wait for the work to end."""
+        self._thread.join()
+
+    def result(self) -> Any:
+        """The work's result, once it ends; its exception, raised here, if it failed."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _fresh_output(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` for an entry's pieces to be received into."""
+    if _HUGE_OUTPUT_RANGE[0] <= nbytes <= _HUGE_OUTPUT_RANGE[1] and _MADV_HUGEPAGE is not None:
+        try:
+            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError:
+            pass  # no such mapping here: the allocator's memory will do
+        else:
+            with contextlib.suppress(OSError):  # transparent huge pages off: plain pages, still correct
+                region.madvise(_MADV_HUGEPAGE)
+            return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _pieces(frames: Sequence[memoryview], size: int) -> list[bytes | memoryview]:

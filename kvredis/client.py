@@ -100,73 +100,81 @@ def _without_arguments(text: str) -> str:
 @contextlib.contextmanager
 def translate_errors(what: str, config: KVRedisConfig | None = None) -> Iterator[None]:
     """Re-raise redis-py errors raised inside the block as kvredis errors naming ``what``."""
-    where = f" at {config.masked_url}" if config is not None else ""
     try:
         yield
-    except KVRedisError:  # translated already (a cluster client made on first use, inside another call)
-        raise
-    except redis.exceptions.TimeoutError as exc:
-        raise KVRedisTimeoutError(f"{what}{where} timed out: {exc}") from None
-    except redis.exceptions.AuthenticationError as exc:
-        raise KVRedisConnectionError(f"{what}{where}: authentication failed: {exc}") from None
-    except MasterNotFoundError as exc:
-        raise KVRedisConnectionError(
+    except Exception as exc:
+        error = translated(exc, what, config)
+        if error is None:
+            raise
+        raise error from None
+
+
+def translated(exc: BaseException, what: str, config: KVRedisConfig | None = None) -> KVRedisError | None:
+    """The kvredis error for ``exc``, a redis-py (or socket) error raised by ``what``; ``None`` for any other
+    exception, a kvredis one included (translated already: a cluster client made on first use, say)."""
+    if isinstance(exc, KVRedisError):
+        return None
+    where = f" at {config.masked_url}" if config is not None else ""
+    if isinstance(exc, redis.exceptions.TimeoutError):
+        return KVRedisTimeoutError(f"{what}{where} timed out: {exc}")
+    if isinstance(exc, redis.exceptions.AuthenticationError):
+        return KVRedisConnectionError(f"{what}{where}: authentication failed: {exc}")
+    if isinstance(exc, MasterNotFoundError):
+        return KVRedisConnectionError(
             f"{what}{where} failed: no sentinel names a healthy primary (sentinels unreachable, wrong "
             f"service name, or a failover in progress): {exc}"
-        ) from None
-    except redis.exceptions.ClusterDownError as exc:  # before ResponseError: it is one
-        raise KVRedisConnectionError(
+        )
+    if isinstance(exc, redis.exceptions.ClusterDownError):  # before ResponseError: it is one
+        return KVRedisConnectionError(
             f"{what}{where} failed: the Redis Cluster is down for this key's slot (a primary failed and no "
             f"replica has taken over yet, or slots are unassigned): {exc}"
-        ) from None
-    except (redis.exceptions.AskError, redis.exceptions.TryAgainError) as exc:  # MOVED is an ASK
-        raise KVRedisError(
+        )
+    if isinstance(exc, (redis.exceptions.AskError, redis.exceptions.TryAgainError)):  # MOVED is an ASK
+        return KVRedisError(
             f"{what}{where} failed: still redirected after {_REDIRECTS} tries (resharding?): "
             f"{type(exc).__name__}: {exc}"
-        ) from None
-    except redis.exceptions.SlotNotCoveredError as exc:
-        raise KVRedisConnectionError(
-            f"{what}{where} failed: no Redis Cluster node serves the slot: {exc}"
-        ) from None
-    except redis.exceptions.RedisClusterException as exc:  # not a RedisError: cluster discovery failed
+        )
+    if isinstance(exc, redis.exceptions.SlotNotCoveredError):
+        return KVRedisConnectionError(f"{what}{where} failed: no Redis Cluster node serves the slot: {exc}")
+    if isinstance(exc, redis.exceptions.RedisClusterException):  # not a RedisError: cluster discovery failed
         cause = exc.__cause__  # what the last startup node said
         denied = _denied(exc)
         if denied is not None:
-            raise KVRedisError(
+            return KVRedisError(
                 f"{what}{where}: denied by the Redis ACL (NOPERM; discovering the cluster needs "
                 f"+cluster|slots +command): {denied}"
-            ) from None
+            )
         if isinstance(cause, redis.exceptions.AuthenticationError):
-            raise KVRedisConnectionError(f"{what}{where}: authentication failed: {cause}") from None
+            return KVRedisConnectionError(f"{what}{where}: authentication failed: {cause}")
         problem = _connection_problem(cause, config) if cause is not None else ""
         if cause is not None and problem != str(cause):  # TLS: say so
-            raise KVRedisConnectionError(
-                f"{what}{where} failed: no Redis Cluster node could be reached: {problem}"
-            ) from None
-        raise KVRedisConnectionError(f"{what}{where} failed: Redis Cluster: {exc}") from None
-    except redis.exceptions.ClusterError as exc:  # "TTL exhausted": redirected too many times
-        raise KVRedisError(
+            return KVRedisConnectionError(
+                f"{what}{where} failed: no Redis Cluster node could be reached: {problem}")
+        return KVRedisConnectionError(f"{what}{where} failed: Redis Cluster: {exc}")
+    if isinstance(exc, redis.exceptions.ClusterError):  # "TTL exhausted": redirected too many times
+        return KVRedisError(
             f"{what}{where} failed: Redis Cluster redirected the command too many times (resharding?): {exc}"
-        ) from None
-    except redis.exceptions.ConnectionError as exc:
-        raise KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}") from None
-    except redis.exceptions.ResponseError as exc:
+        )
+    if isinstance(exc, redis.exceptions.ConnectionError):
+        return KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}")
+    if isinstance(exc, redis.exceptions.ResponseError):
         text = _without_arguments(str(exc))
         if "NOPERM" in text or isinstance(exc, redis.exceptions.NoPermissionError):
-            raise KVRedisError(f"{what}{where}: denied by the Redis ACL (NOPERM): {text}") from None
+            return KVRedisError(f"{what}{where}: denied by the Redis ACL (NOPERM): {text}")
         if "EXEC without MULTI" in text:  # MULTI itself was refused; redis-py reports only the EXEC
-            raise KVRedisError(
+            return KVRedisError(
                 f"{what}{where}: MULTI was refused (NOPERM? the Redis ACL needs +multi +exec): {text}"
-            ) from None
+            )
         if "WRONGTYPE" in text:
-            raise WrongTypeError(f"{what}{where} failed: a key holds a foreign value: {text}") from None
-        raise KVRedisError(f"{what}{where} failed: {type(exc).__name__}: {text}") from None
-    except redis.exceptions.RedisError as exc:
-        raise KVRedisError(f"{what}{where} failed: {type(exc).__name__}: {exc}") from None
-    except TimeoutError as exc:  # the bulk path reads the socket itself
-        raise KVRedisTimeoutError(f"{what}{where} timed out: {exc}") from None
-    except OSError as exc:  # TLS set-up errors and the like surface as plain OSErrors.
-        raise KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}") from None
+            return WrongTypeError(f"{what}{where} failed: a key holds a foreign value: {text}")
+        return KVRedisError(f"{what}{where} failed: {type(exc).__name__}: {text}")
+    if isinstance(exc, redis.exceptions.RedisError):
+        return KVRedisError(f"{what}{where} failed: {type(exc).__name__}: {exc}")
+    if isinstance(exc, TimeoutError):  # the bulk path reads the socket itself
+        return KVRedisTimeoutError(f"{what}{where} timed out: {exc}")
+    if isinstance(exc, OSError):  # TLS set-up errors and the like surface as plain OSErrors.
+        return KVRedisConnectionError(f"{what}{where} failed: {_connection_problem(exc, config)}")
+    return None
 
 
 def connect(config: KVRedisConfig, *, read_timeout_s: float | None = None) -> Client:
@@ -347,15 +355,14 @@ class RedisStore:
     def _prober(self) -> Any:
         return self._client("probe")
 
-    @contextlib.contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        try:
-            with translate_errors(what, self.config):
-                yield
-        except (KVRedisConnectionError, KVRedisTimeoutError):
-            if self.cluster:  # a primary may be failing over: watch the slot map for a while
-                self._watch_topology()
-            raise
+    def _guard(self, what: str) -> _Guard:
+        """A block whose redis-py errors become kvredis errors naming ``what`` (see :func:`translated`)."""
+        return _Guard(self, what)
+
+    def _failed(self, error: BaseException) -> None:
+        """Note a failed call: on a cluster, a primary may be failing over, so watch the slot map a while."""
+        if self.cluster and isinstance(error, (KVRedisConnectionError, KVRedisTimeoutError)):
+            self._watch_topology()
 
     def ping(self) -> None:
         """Raise a kvredis error unless Redis answers (on the connections entries move over)."""
@@ -375,8 +382,37 @@ class RedisStore:
         """A connection's socket, for commands kvredis frames itself (``None``: a stand-in client such as
         fakeredis, whose commands go through redis-py). A connection that saw an error is closed: a reply
         may be half read."""
+        pool, connection, sock = self._checkout(client)
+        try:
+            yield sock
+        except BaseException:
+            self._checkin(pool, connection, sock, failed=True)
+            raise
+        self._checkin(pool, connection, sock, failed=False)
+
+    def _call(self, client: Any, *commands: Sequence[resp.Argument]) -> list[Any] | None:
+        """:func:`resp.call` on a kept connection of ``client``; ``None`` for a stand-in client (fakeredis),
+        whose commands go through redis-py. What :meth:`_socket` does, without a context manager: a small
+        entry's round trip feels each layer."""
+        pool, connection, sock = self._checkout(client)
+        if sock is None:
+            pool.release(connection)
+            return None
+        try:
+            replies = resp.call(sock, *commands)
+        except BaseException:
+            self._checkin(pool, connection, sock, failed=True)
+            raise
+        self._checkin(pool, connection, sock, failed=False)
+        return replies
+
+    def _checkout(self, client: Any) -> tuple[Any, Any, socket.socket | None]:
+        """An idle connection of ``client``'s pool still open (else a new one), and its socket if kvredis
+        can frame commands on it."""
         pool = client.connection_pool
-        idle = self._idle.setdefault(id(pool), [])
+        idle = self._idle.get(id(pool))
+        if idle is None:
+            idle = self._idle.setdefault(id(pool), [])
         connection = None
         while idle:
             candidate = idle.pop()
@@ -388,16 +424,17 @@ class RedisStore:
         if connection is None:
             connection = self._connection(pool)
         sock = getattr(connection, "_sock", None)
-        try:
-            yield sock if isinstance(sock, socket.socket) else None
-        except BaseException:
+        return pool, connection, sock if isinstance(sock, socket.socket) else None
+
+    def _checkin(self, pool: Any, connection: Any, sock: socket.socket | None, *, failed: bool) -> None:
+        """Keep a connection for the next call, or hand it back to its pool (closed if the call failed)."""
+        if failed:
             connection.disconnect()
             pool.release(connection)
-            raise
-        if self._closed or isinstance(sock, ssl.SSLSocket) or not isinstance(sock, socket.socket):
+        elif self._closed or sock is None or isinstance(sock, ssl.SSLSocket):
             pool.release(connection)
         else:
-            idle.append(connection)
+            self._idle[id(pool)].append(connection)
 
     def _release_idle(self) -> None:
         for client in {id(client): client for client in self._clients.values()}.values():
@@ -413,12 +450,11 @@ class RedisStore:
             [record] if isinstance(record, (bytes, bytearray, memoryview)) else list(record))
         with self._guard(f"storing record in {queue}"):
             if not self.cluster:
-                with self._socket(self.redis) as sock:
-                    if sock is not None:
-                        replies = resp.call(sock, ("MULTI",), ("RPUSH", queue, parts),
-                                            ("PEXPIRE", queue, ttl_ms), ("EXEC",))
-                        _raise_first(replies)
-                        return
+                replies = self._call(self.redis, ("MULTI",), ("RPUSH", queue, parts),
+                                     ("PEXPIRE", queue, ttl_ms), ("EXEC",))
+                if replies is not None:
+                    _raise_first(replies)
+                    return
             value = parts[0] if len(parts) == 1 else b"".join(parts)
             if self.cluster:
                 self._cluster_transaction(queue, [("RPUSH", queue, value), ("PEXPIRE", queue, ttl_ms)])
@@ -433,16 +469,15 @@ class RedisStore:
         wait = max(timeout_s, 0.001)  # BLPOP 0 would wait forever
         with self._guard(f"BLPOP {queue}"):
             if not self.cluster:
-                with self._socket(self._popper) as sock:
-                    if sock is not None:
-                        (reply,) = resp.call(sock, ("BLPOP", queue, f"{wait:.3f}"))
-                        _raise_first([reply])
-                        if reply is None:
-                            return None
-                        if not (isinstance(reply, list) and len(reply) == 2
-                                and isinstance(reply[1], bytearray)):
-                            raise KVRedisError(f"BLPOP {queue} answered {str(reply)[:60]}")
-                        return reply[1]  # writable: the entry's tensors are views of it
+                replies = self._call(self._popper, ("BLPOP", queue, f"{wait:.3f}"))
+                if replies is not None:
+                    _raise_first(replies)
+                    (reply,) = replies
+                    if reply is None:
+                        return None
+                    if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], bytearray)):
+                        raise KVRedisError(f"BLPOP {queue} answered {str(reply)[:60]}")
+                    return reply[1]  # writable: the entry's tensors are views of it
             reply = self._popper.blpop([queue], timeout=wait)
         if reply is None:
             return None
@@ -455,11 +490,10 @@ class RedisStore:
         """How many records wait in ``queue`` (no side effect)."""
         with self._guard(f"LLEN {queue}"):
             if not self.cluster:
-                with self._socket(self._prober) as sock:
-                    if sock is not None:
-                        (reply,) = resp.call(sock, ("LLEN", queue))
-                        _raise_first([reply])
-                        return int(reply)
+                replies = self._call(self._prober, ("LLEN", queue))
+                if replies is not None:
+                    _raise_first(replies)
+                    return int(replies[0])
             return int(self._prober.llen(queue))
 
     def put_pieces(self, keys: Sequence[str], pieces: Sequence[bytes | memoryview], ttl_ms: int) -> None:
@@ -701,6 +735,28 @@ class RedisStore:
         if self._owns_clients:
             for client in self._clients.values():
                 _close(client)
+
+
+class _Guard:
+    """:meth:`RedisStore._guard`: :func:`translate_errors` and the cluster watch in one plain context manager
+    (a generator-based one costs a small entry's round trip several microseconds a call)."""
+
+    __slots__ = ("store", "what")
+
+    def __init__(self, store: RedisStore, what: str) -> None:
+        self.store = store
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is None or not isinstance(exc, Exception):
+            return
+        error = translated(exc, self.what, self.store.config)
+        self.store._failed(exc if error is None else error)
+        if error is not None:
+            raise error from None
 
 
 def _still_open(connection: Any) -> bool:

@@ -19,11 +19,12 @@ limits, and sizes are checked before anything is allocated.
 from __future__ import annotations
 
 import struct
+import sys
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -46,6 +47,7 @@ FORMAT_VERSION = 2
 """The blob format written: XXH3-64 checksums."""
 
 _STEP = 1 << 20
+_xxh3_64_intdigest = xxhash.xxh3_64_intdigest
 
 
 def xxh3_64(data: Any) -> int:
@@ -54,9 +56,10 @@ def xxh3_64(data: Any) -> int:
     xxhash holds the GIL while it hashes; one 16 MiB call would keep every other thread (their sockets
     ready) waiting for it. Same value as ``xxhash.xxh3_64_intdigest(data)``.
     """
-    view = memoryview(data).cast("B")
+    view = data if type(data) is memoryview else memoryview(data)
     if view.nbytes <= 4 * _STEP:
-        return xxhash.xxh3_64_intdigest(view)
+        return _xxh3_64_intdigest(view)
+    view = view.cast("B")
     hasher = xxhash.xxh3_64()
     for start in range(0, view.nbytes, _STEP):
         hasher.update(view[start:start + _STEP])
@@ -90,15 +93,27 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# A dtype's attribute costs a torch call; these lookups do not.
+_ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+_ITEMSIZE_OF = {dtype: dtype.itemsize for dtype in DTYPES.values()}
 _WRITE_CHECKSUM = CHECKSUMS[FORMAT_VERSION]
+# Flat memoryviews (an entry's token IDs and roi mask, which kvredis.keys keeps as such) are written as the
+# tensor dtype of their format; native formats are little-endian only on little-endian hosts.
+_VIEW_DTYPES = {"q": "int64", "i": "int32", "b": "int8", "B": "uint8", "?": "bool"}
+if sys.byteorder != "little":
+    _VIEW_DTYPES = {}
+# The reader's msgpack limits (_unpack_header) and what a flat metadata map may hold to stay within them
+# for sure; other maps are checked by decoding the packed header.
+_MAX_STR_BYTES = 4096
+_MAX_MAP_LEN = 64
+_SCALARS = (int, float, bool, type(None))
 
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
     """What the header says of one tensor."""
 
     dtype: torch.dtype
@@ -115,29 +130,35 @@ class Header:
     meta: dict[str, Any]
     payload_offset: int
     version: int = FORMAT_VERSION
+    # Derived from specs (each read uses them several times; read_header has them already): where each
+    # tensor starts within the payload, and the payload's length, padding included.
+    starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    payload_nbytes: int = field(default=-1, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.payload_nbytes < 0:
+            starts, position = _layout(self.specs)
+            object.__setattr__(self, "starts", starts)
+            object.__setattr__(self, "payload_nbytes", position)
 
     @property
     def checksum(self) -> Checksum:
         """The function that computed the specs' checksums (the format version's)."""
         return CHECKSUMS[self.version]
 
-    @property
-    def payload_nbytes(self) -> int:
-        """Length of the payload that follows the header, padding included."""
-        return _payload_span(self.specs)
-
     def offsets(self) -> list[int]:
         """Where each tensor's bytes start within the payload (absent tensors take none)."""
-        result, position = [], 0
-        for spec in self.specs:
-            result.append(position)
-            if spec is not None:
-                position += _aligned(spec.nbytes)
-        return result
+        return list(self.starts)
 
 
-def _payload_span(specs: Sequence[TensorSpec | None]) -> int:
-    return sum(_aligned(spec.nbytes) for spec in specs if spec is not None)
+def _layout(specs: Sequence[TensorSpec | None]) -> tuple[tuple[int, ...], int]:
+    """Where each tensor starts within the payload, and the payload's length (padding included)."""
+    starts, position = [], 0
+    for spec in specs:
+        starts.append(position)
+        if spec is not None:
+            position += (spec.nbytes + ALIGN - 1) & -ALIGN
+    return tuple(starts), position
 
 
 @dataclass
@@ -162,16 +183,24 @@ class Encoded:
         return b"".join([self.header, *self.payload])
 
 
-def payload_size(tensors: Sequence[torch.Tensor | None]) -> int:
+def payload_size(tensors: Sequence[torch.Tensor | memoryview[Any] | None]) -> int:
     """The payload length :func:`encode` would produce for ``tensors``, padding included."""
-    return sum(_aligned(t.numel() * t.element_size()) for t in tensors if t is not None)
+    return sum(_aligned(t.nbytes if isinstance(t, memoryview) else t.numel() * t.element_size())
+               for t in tensors if t is not None)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a CPU tensor (made contiguous first if it is not)."""
-    # As few torch calls as possible: each costs microseconds, which small entries feel.
+    # The common case in two torch calls (each costs microseconds, which small entries feel); whatever
+    # that refuses (not contiguous, needing grad, 0-d, on another device) is handled below.
+    try:
+        return memoryview(tensor.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        pass
     if tensor.requires_grad:
         tensor = tensor.detach()
+    if not tensor.is_cpu:
+        tensor = tensor.to("cpu")
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     if tensor.dim() == 0:
@@ -181,52 +210,126 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
+@dataclass
+class Frames:
+    """Tensors as byte views, checked and ready for :meth:`encode` (sized before anything is hashed)."""
+
+    descriptors: list[list[Any] | None]  # [dtype name, shape, byte length] of each tensor, None if absent
+    views: list[memoryview]  # each present tensor's bytes, in order
+    nbytes: int  # payload length, padding included
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor | memoryview[Any] | None]) -> Frames:
+        """Check ``tensors`` (CPU or other device; ``None`` for an absent one) and view their bytes."""
+        if len(tensors) > MAX_TENSORS:
+            raise CodecError(f"at most {MAX_TENSORS} tensors per blob, got {len(tensors)}")
+        descriptors: list[list[Any] | None] = []
+        views: list[memoryview] = []
+        total = 0
+        for index, tensor in enumerate(tensors):
+            if tensor is None:
+                descriptors.append(None)
+                continue
+            if isinstance(tensor, memoryview):
+                name = _VIEW_DTYPES.get(tensor.format)
+                if name is None or not tensor.c_contiguous:
+                    raise CodecError(f"tensor {index} is a memoryview of format {tensor.format!r}, not a "
+                                     f"torch.Tensor or a contiguous view of {', '.join(_VIEW_DTYPES)}")
+                shape = list(tensor.shape or ())
+                data = tensor.cast("B")
+            else:
+                if not isinstance(tensor, torch.Tensor):
+                    raise CodecError(f"tensor {index} is a {type(tensor).__name__}, not a torch.Tensor")
+                name = _DTYPE_NAMES.get(tensor.dtype)
+                if name is None:
+                    raise CodecError(
+                        f"tensor {index} has dtype {tensor.dtype}, not one of {', '.join(DTYPES)}")
+                shape = list(tensor.shape)
+                data = tensor_bytes(tensor)
+            if len(shape) > MAX_DIMS:
+                raise CodecError(f"tensor {index} has {len(shape)} dimensions, at most {MAX_DIMS} allowed")
+            descriptors.append([name, shape, data.nbytes])
+            views.append(data)
+            total += _aligned(data.nbytes)
+        return cls(descriptors, views, total)
+
+    def payload(self) -> list[memoryview]:
+        """The payload as buffers: each view, then its zero padding to the next 64-byte boundary."""
+        payload: list[memoryview] = []
+        for data in self.views:
+            payload.append(data)
+            padding = _aligned(data.nbytes) - data.nbytes
+            if padding:
+                payload.append(_ZEROS[:padding])
+        return payload
+
+    def checksums(self) -> list[int]:
+        """Each view's checksum, as :meth:`encode` writes it (format :data:`FORMAT_VERSION`)."""
+        return [_WRITE_CHECKSUM(data) for data in self.views]
+
+    def encode(
+        self, meta: Mapping[str, Any] | None = None, *, checksum: bool = True,
+        crcs: Sequence[int] | None = None,
+    ) -> Encoded:
+        """The blob of these frames and ``meta``: the header, then the views with their padding.
+
+        ``crcs`` are the views' :meth:`checksums` when they were computed already (elsewhere, meanwhile).
+        """
+        if crcs is None:
+            crcs = self.checksums() if checksum else [None] * len(self.views)  # type: ignore[list-item]
+        elif len(crcs) != len(self.views):
+            raise ValueError(f"{len(crcs)} checksums for {len(self.views)} tensors")
+        each = iter(crcs)
+        descriptors = [None if d is None else [*d, next(each)] for d in self.descriptors]
+        meta = dict(meta or {})
+        try:
+            packed = msgpack.packb({"v": FORMAT_VERSION, "t": descriptors, "m": meta})
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise CodecError(f"metadata cannot be encoded: {exc}") from None
+        if len(packed) > MAX_HEADER_BYTES:
+            raise CodecError(f"header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
+        # Refuse here what the reader's limits would refuse, so that nothing written is unreadable. The
+        # tensor list is within them by construction (Frames.of); a flat map of short strings and scalars
+        # is too, which a look at it proves without decoding the header.
+        if not _fits_reader_limits(meta):
+            _unpack_header(packed)
+        crc = header_checksum(FORMAT_VERSION, packed)
+        head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(packed), crc) + packed
+        head += bytes(_aligned(len(head)) - len(head))
+        return Encoded(head, self.payload())
+
+
+def _fits_reader_limits(meta: dict[str, Any]) -> bool:
+    """Whether ``meta`` certainly packs within :func:`_unpack_header`'s limits (``False``: maybe not)."""
+    if len(meta) > _MAX_MAP_LEN:
+        return False
+    for key, value in meta.items():
+        # UTF-8 takes at most 4 bytes a character.
+        if type(key) is not str or len(key) * 4 > _MAX_STR_BYTES:
+            return False
+        if type(value) is str:
+            if len(value) * 4 > _MAX_STR_BYTES:
+                return False
+        elif type(value) not in _SCALARS:
+            return False
+    return True
+
+
 def encode(
-    tensors: Sequence[torch.Tensor | None],
+    tensors: Sequence[torch.Tensor | memoryview[Any] | None],
     meta: Mapping[str, Any] | None = None,
     *,
     checksum: bool = True,
     max_payload_bytes: int | None = None,
 ) -> Encoded:
-    """Encode CPU tensors (``None`` for an absent one) and a metadata map, without copying payloads."""
-    if len(tensors) > MAX_TENSORS:
-        raise CodecError(f"at most {MAX_TENSORS} tensors per blob, got {len(tensors)}")
-    descriptors: list[list[Any] | None] = []
-    payload: list[memoryview] = []
-    for index, tensor in enumerate(tensors):
-        if tensor is None:
-            descriptors.append(None)
-            continue
-        if not isinstance(tensor, torch.Tensor):
-            raise CodecError(f"tensor {index} is a {type(tensor).__name__}, not a torch.Tensor")
-        name = _DTYPE_NAMES.get(tensor.dtype)
-        if name is None:
-            raise CodecError(f"tensor {index} has dtype {tensor.dtype}, not one of {', '.join(DTYPES)}")
-        if tensor.dim() > MAX_DIMS:
-            raise CodecError(f"tensor {index} has {tensor.dim()} dimensions, at most {MAX_DIMS} allowed")
-        if not tensor.is_cpu:
-            tensor = tensor.to("cpu")
-        data = tensor_bytes(tensor)
-        crc = _WRITE_CHECKSUM(data) if checksum else None
-        descriptors.append([name, list(tensor.shape), data.nbytes, crc])
-        payload.append(data)
-        padding = _aligned(data.nbytes) - data.nbytes
-        if padding:
-            payload.append(_ZEROS[:padding])
-    total = sum(frame.nbytes for frame in payload)
-    if max_payload_bytes is not None and total > max_payload_bytes:
-        raise CodecError(f"payload of {total} bytes exceeds the limit of {max_payload_bytes}")
-    try:
-        packed = msgpack.packb({"v": FORMAT_VERSION, "t": descriptors, "m": dict(meta or {})})
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise CodecError(f"metadata cannot be encoded: {exc}") from None
-    if len(packed) > MAX_HEADER_BYTES:
-        raise CodecError(f"header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
-    # Refuse here what the reader's limits would refuse, so that nothing written is unreadable.
-    _unpack_header(packed)
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(packed), header_checksum(FORMAT_VERSION, packed)) + packed
-    head += bytes(_aligned(len(head)) - len(head))
-    return Encoded(head, payload)
+    """Encode CPU tensors (``None`` for an absent one) and a metadata map, without copying payloads.
+
+    A flat C-contiguous memoryview of a native integer or bool format may stand for a tensor of that dtype.
+    """
+    frames = Frames.of(tensors)
+    if max_payload_bytes is not None and frames.nbytes > max_payload_bytes:
+        raise CodecError(f"payload of {frames.nbytes} bytes exceeds the limit of {max_payload_bytes}")
+    return frames.encode(meta, checksum=checksum)
 
 
 def read_header(blob: bytes | bytearray | memoryview, *, max_payload_bytes: int) -> Header:
@@ -237,7 +340,8 @@ def read_header(blob: bytes | bytearray | memoryview, *, max_payload_bytes: int)
     magic, version, length, crc = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise CodecError(f"foreign blob: starts with {bytes(view[:3])!r}, not {MAGIC!r}")
-    if version not in CHECKSUMS:
+    checksum = CHECKSUMS.get(version)
+    if checksum is None:
         readable = " and ".join(str(v) for v in CHECKSUMS)
         raise CodecError(f"blob has format version {version}; this kvredis reads versions {readable}")
     if length > MAX_HEADER_BYTES:
@@ -246,20 +350,19 @@ def read_header(blob: bytes | bytearray | memoryview, *, max_payload_bytes: int)
     if view.nbytes < end:
         raise CodecError(f"truncated blob: header needs {end} bytes, blob has {view.nbytes}")
     packed = view[_PREFIX.size:end]
-    if header_checksum(version, packed) != crc:
+    if checksum(packed) & 0xFFFFFFFF != crc:
         raise CodecError("corrupt blob: header checksum mismatch")
-    raw = _unpack_header(bytes(packed))
-    specs = _parse_specs(raw, version)
+    raw = _unpack_header(packed)
+    specs, starts, span = _parse_specs(raw, version)
     meta = raw.get("m", {})
     if not isinstance(meta, dict):
         raise CodecError("corrupt blob: metadata is not a map")
-    span = _payload_span(specs)
     if span > max_payload_bytes:
         raise CodecError(f"oversized blob: payload of {span} bytes exceeds the limit of {max_payload_bytes}")
-    return Header(specs, meta, _aligned(end), version)
+    return Header(specs, meta, (end + ALIGN - 1) & -ALIGN, version, starts, span)
 
 
-def _unpack_header(packed: bytes) -> Any:
+def _unpack_header(packed: bytes | memoryview) -> Any:
     """msgpack-decode a header with size limits, so a hostile one cannot make it allocate much."""
     try:
         return msgpack.unpackb(
@@ -270,67 +373,68 @@ def _unpack_header(packed: bytes) -> Any:
         raise CodecError(f"corrupt blob: header is not valid msgpack ({type(exc).__name__})") from None
 
 
-def _parse_specs(raw: Any, version: int) -> tuple[TensorSpec | None, ...]:
+def _parse_specs(raw: Any, version: int) -> tuple[tuple[TensorSpec | None, ...], tuple[int, ...], int]:
+    """The header's tensor specs, where each starts within the payload, and the payload's length."""
     if not isinstance(raw, dict) or raw.get("v") != version or not isinstance(raw.get("t"), list):
         raise CodecError("corrupt blob: header lacks version and tensor list")
-    if len(raw["t"]) > MAX_TENSORS:
-        raise CodecError(f"corrupt blob: {len(raw['t'])} tensors, at most {MAX_TENSORS} allowed")
+    items = raw["t"]
+    if len(items) > MAX_TENSORS:
+        raise CodecError(f"corrupt blob: {len(items)} tensors, at most {MAX_TENSORS} allowed")
     specs: list[TensorSpec | None] = []
-    for index, item in enumerate(raw["t"]):
+    starts: list[int] = []
+    position = 0
+    for index, item in enumerate(items):
+        starts.append(position)
         if item is None:
             specs.append(None)
             continue
-        if not (isinstance(item, list) and len(item) == 4):
+        if not (type(item) is list and len(item) == 4):
             raise CodecError(f"corrupt blob: tensor {index} descriptor is malformed")
         name, shape, nbytes, crc = item
-        dtype = DTYPES.get(name) if isinstance(name, str) else None
-        if dtype is None:
+        expected = _ITEMSIZES.get(name) if type(name) is str else None
+        if expected is None:
             raise CodecError(f"unsupported dtype {name!r} for tensor {index}")
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
-                and all(type(d) is int and d >= 0 for d in shape)):
+        if not (type(shape) is list and len(shape) <= MAX_DIMS):
             raise CodecError(f"corrupt blob: tensor {index} has an invalid shape {shape!r}")
-        if type(nbytes) is not int or nbytes < 0 or not (crc is None or isinstance(crc, int)):
-            raise CodecError(f"corrupt blob: tensor {index} has an invalid length or checksum")
-        numel = 1
         for dim in shape:
-            numel *= dim
-        expected = numel * dtype.itemsize
+            if type(dim) is not int or dim < 0:
+                raise CodecError(f"corrupt blob: tensor {index} has an invalid shape {shape!r}")
+            expected *= dim
+        if type(nbytes) is not int or nbytes < 0 or not (crc is None or type(crc) is int):
+            raise CodecError(f"corrupt blob: tensor {index} has an invalid length or checksum")
         if expected != nbytes:
             raise CodecError(
                 f"shape {shape} of {name} needs {expected} bytes but tensor {index} claims {nbytes}"
             )
-        specs.append(TensorSpec(dtype, tuple(shape), nbytes, crc))
-    return tuple(specs)
+        specs.append(TensorSpec(DTYPES[name], tuple(shape), nbytes, crc))
+        position += (nbytes + ALIGN - 1) & -ALIGN
+    return tuple(specs), tuple(starts), position
 
 
 def decode_payload(
     header: Header, payload: bytes | bytearray | memoryview | torch.Tensor, *, verify: bool = True
 ) -> list[torch.Tensor | None]:
     """The tensors of ``header`` over ``payload``: views when it is writable, else one copy of it."""
+    span = header.payload_nbytes
+    storage: torch.Tensor | None = None
     if isinstance(payload, torch.Tensor):
         storage = payload.reshape(-1).view(torch.uint8)
         view = tensor_bytes(storage) if verify else None
     else:
         view = memoryview(payload).cast("B")
-        if view.nbytes != header.payload_nbytes:
-            problem = "truncated" if view.nbytes < header.payload_nbytes else "oversized"
-            raise CodecError(
-                f"{problem} blob: payload is {view.nbytes} bytes, header says {header.payload_nbytes}"
-            )
+        if view.nbytes != span:
+            problem = "truncated" if view.nbytes < span else "oversized"
+            raise CodecError(f"{problem} blob: payload is {view.nbytes} bytes, header says {span}")
         if view.readonly:
             # A tensor over immutable bytes would let a caller write into a Python bytes object.
             storage = torch.empty(view.nbytes, dtype=torch.uint8)
             if view.nbytes:
                 storage.numpy().data.cast("B")[:] = view
-        elif view.nbytes:
-            storage = torch.frombuffer(view, dtype=torch.uint8)
-        else:
-            storage = torch.empty(0, dtype=torch.uint8)
-    if storage.numel() != header.payload_nbytes:
-        raise CodecError(f"payload is {storage.numel()} bytes, header says {header.payload_nbytes}")
+    if storage is not None and storage.numel() != span:
+        raise CodecError(f"payload is {storage.numel()} bytes, header says {span}")
     checksum = header.checksum
     tensors: list[torch.Tensor | None] = []
-    for index, (spec, offset) in enumerate(zip(header.specs, header.offsets(), strict=True)):
+    for index, (spec, offset) in enumerate(zip(header.specs, header.starts, strict=True)):
         if spec is None:
             tensors.append(None)
             continue
@@ -338,7 +442,15 @@ def decode_payload(
         if (verify and spec.crc is not None and view is not None
                 and checksum(view[offset:offset + spec.nbytes]) != spec.crc):
             raise CodecError(f"corrupt blob: checksum mismatch in tensor {index}")
-        tensors.append(storage[offset:offset + spec.nbytes].view(spec.dtype).reshape(spec.shape))
+        if storage is not None:
+            tensors.append(storage[offset:offset + spec.nbytes].view(spec.dtype).reshape(spec.shape))
+        elif spec.nbytes:
+            # Straight over the writable buffer: one or two torch calls a tensor instead of three.
+            tensor = torch.frombuffer(view, dtype=spec.dtype, count=spec.nbytes // _ITEMSIZE_OF[spec.dtype],
+                                      offset=offset)
+            tensors.append(tensor if len(spec.shape) == 1 else tensor.view(spec.shape))
+        else:
+            tensors.append(torch.empty(spec.shape, dtype=spec.dtype))  # frombuffer refuses no bytes
     return tensors
 
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -27,6 +28,7 @@ FORMAT_VERSION = 1  # of the key layout (in every key); blobs carry their own, c
 _DIGEST_BYTES = 16  # 128 bits: collisions are out of reach, and entries re-check their tokens anyway.
 _CONTEXT = re.compile(rf"\A[0-9a-f]{{{2 * _DIGEST_BYTES}}}\Z")
 _ENTRY_ID = re.compile(r"\A[0-9a-f]{16}\Z")
+_PROMPT_HASH = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-prompt")  # copied, never updated
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
@@ -81,28 +83,61 @@ def canonical_roi(roi: Any, num_tokens: int) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Prompt:
-    """A prompt in canonical form (int64 tokens, uint8 roi mask) and its blake2b digest, computed once."""
+    """A prompt in canonical form and its blake2b digest, computed once.
 
-    tokens: np.ndarray
-    mask: np.ndarray
+    ``tokens``: the token IDs as int64 little-endian (a flat memoryview, format ``q``); ``mask``: the roi
+    mask as 0/1 bytes (a flat memoryview, format ``?``).
+    """
+
+    tokens: memoryview[int]
+    mask: memoryview[bool]
     digest: str
 
     @classmethod
     def of(cls, input_tokens: Any, roi: Any = None, context: str = "") -> Prompt:
         """Canonicalise and hash tokens (tensor on any device, array or sequence), a roi mask and the
         prompt's context digest (``""``: nothing but the tokens decides its KV)."""
-        tokens = canonical_tokens(input_tokens)
-        mask = canonical_roi(roi, tokens.shape[0])
-        hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-prompt")
-        hasher.update(tokens.shape[0].to_bytes(8, "little"))
-        hasher.update(tokens.data.cast("B"))
-        hasher.update(mask.data)
+        tokens = _token_view(input_tokens)
+        count = len(tokens)
+        if roi is None:
+            mask = memoryview(b"\x01" * count).cast("?")
+        else:
+            mask = memoryview(canonical_roi(roi, count).data).cast("?")
+        hasher = _PROMPT_HASH.copy()
+        hasher.update(count.to_bytes(8, "little"))
+        hasher.update(tokens)
+        hasher.update(mask)
         if context:
             # Only when present, so that context-free prompts keep the keys they always had.
             if not _CONTEXT.match(context):
                 raise ValueError(f"a prompt's context must be a context_digest(), got {context!r}")
             hasher.update(b"context:" + context.encode())
         return cls(tokens, mask, hasher.hexdigest())
+
+
+def _token_view(input_tokens: Any) -> memoryview[int]:
+    """:func:`canonical_tokens` as a flat int64 memoryview, without numpy for the common inputs.
+
+    An integer tensor's values are read with one ``tolist`` and a list or tuple of ints is packed with
+    ``struct``: the fewest calls into torch and none into numpy, which a small entry and a lookup in
+    vLLM's scheduler loop (a list of up to thousands of IDs) feel most right after other work. Anything
+    else, or anything these refuse, takes the general path (which also raises the errors).
+    """
+    values = input_tokens
+    kind = type(input_tokens)
+    if kind is torch.Tensor and input_tokens.dtype in _INTEGER_DTYPES:
+        values = input_tokens.tolist()  # ints from a 1-D tensor; an int or nested lists otherwise
+        kind = type(values)
+    if (kind is list or kind is tuple) and values and type(values[0]) is int:
+        # A list led by a bool must raise (numpy makes an all-bool list a bool array): it takes the
+        # general path, as does an empty one (numpy decides what an empty list or tensor is).
+        try:
+            packed = struct.pack(f"<{len(values)}q", *values)
+        except (struct.error, TypeError, OverflowError):
+            pass  # floats, strings, nested lists, values past int64
+        else:
+            return memoryview(packed).cast("q")
+    return canonical_tokens(input_tokens).data.cast("B").cast("q")
 
 
 def prompt_digest(input_tokens: Any, roi: Any = None, context: str = "") -> str:
@@ -130,7 +165,18 @@ def context_digest(parts: Sequence[Sequence[str | int]]) -> str:
 
 def new_entry_id() -> str:
     """A fresh random entry id (64 bits, hex): names one entry's pieces and, when announced, its list."""
-    return os.urandom(8).hex()
+    try:
+        return _ENTRY_IDS.pop()  # atomic: no two threads get the same
+    except IndexError:
+        # os.urandom 256 ids at a time: one getrandom call instead of one an entry.
+        fresh = os.urandom(8 * 256).hex()
+        _ENTRY_IDS[:] = [fresh[i:i + 16] for i in range(16, len(fresh), 16)]
+        return fresh[:16]
+
+
+_ENTRY_IDS: list[str] = []
+if hasattr(os, "register_at_fork"):  # a forked child must not hand out its parent's ids
+    os.register_at_fork(after_in_child=_ENTRY_IDS.clear)
 
 
 def check_entry_id(entry_id: object) -> str:

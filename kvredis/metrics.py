@@ -60,7 +60,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._series = _series()
         # Looking a labelled child up costs more than the increment: the hot ones are bound once.
-        self._hot = {}
+        self._hot: dict[Any, Any] = {}
         if self._series:
             self._hot = {
                 "stored": self._series["stored"].labels(namespace),
@@ -71,9 +71,18 @@ class Metrics:
                 "load_seconds": self._series["load_seconds"].labels(namespace),
             }
 
-    def _add(self, name: str, amount: float = 1) -> None:
+    def _add(self, *names: str) -> None:
         with self._lock:
-            self.counts[name] += int(amount)
+            for name in names:
+                self.counts[name] += 1
+
+    def _labelled(self, series: str, *labels: str) -> Any:
+        """The Prometheus child of ``series`` for this namespace and ``labels``, looked up once."""
+        key = (series, *labels)
+        child = self._hot.get(key)
+        if child is None:
+            child = self._hot[key] = self._series[series].labels(self.namespace, *labels)
+        return child
 
     def stored(self, nbytes: int, seconds: float) -> None:
         """One entry written."""
@@ -99,34 +108,31 @@ class Metrics:
         """One lookup that found nothing usable, and why (one of :data:`MISS_CAUSES`)."""
         if cause not in MISS_CAUSES:
             raise ValueError(f"unknown miss cause {cause!r}")
-        self._add("misses")
-        self._add(f"miss_{cause}")
+        self._add("misses", f"miss_{cause}")
         if self._series:
-            self._series["misses"].labels(self.namespace, cause).inc()
+            self._labelled("misses", cause).inc()
 
     def dropped(self, cause: str) -> None:
         """One entry taken from Redis but dropped as unusable (one of :data:`MISS_CAUSES`)."""
         if cause not in MISS_CAUSES:
             raise ValueError(f"unknown drop cause {cause!r}")
-        self._add("dropped")
-        self._add(f"dropped_{cause}")
+        self._add("dropped", f"dropped_{cause}")
         if self._series:
-            self._series["dropped"].labels(self.namespace, cause).inc()
+            self._labelled("dropped", cause).inc()
 
     def store_failed(self, cause: str) -> None:
         """One insert that raised (``"timeout"`` or ``"error"``); readers never see half of it."""
         if cause not in ("timeout", "error"):
             raise ValueError(f"unknown store failure cause {cause!r}")
-        self._add("store_failed")
-        self._add(f"store_failed_{cause}")
+        self._add("store_failed", f"store_failed_{cause}")
         if self._series:
-            self._series["store_failures"].labels(self.namespace, cause).inc()
+            self._labelled("store_failures", cause).inc()
 
     def timeout(self) -> None:
         """One Redis call that ran past its bound."""
         self._add("timeouts")
         if self._series:
-            self._series["timeouts"].labels(self.namespace).inc()
+            self._labelled("timeouts").inc()
 
     def __getitem__(self, name: str) -> int:
         with self._lock:

@@ -38,45 +38,66 @@ def _nbytes(value: Buffer) -> int:
 
 def frame(*args: Argument) -> list[Buffer]:
     """The RESP encoding of one command as buffers: small parts joined, large values left as they are."""
+    return encode([args])
+
+
+def encode(commands: Sequence[Sequence[Argument]]) -> list[Buffer]:
+    """The RESP encoding of ``commands`` as buffers: everything joined but the values of ``_JOIN_BELOW``
+    bytes or more, which stay the caller's memory (a memoryview of it)."""
     out: list[Buffer] = []
-    pending = bytearray(b"*%d\r\n" % len(args))
-    for arg in args:
-        if isinstance(arg, str):
-            arg = arg.encode()
-        elif isinstance(arg, bool):
-            raise TypeError("a bool is not a Redis argument")
-        elif isinstance(arg, (int, float)):
-            arg = repr(arg).encode()
-        parts: Sequence[Buffer] = arg if isinstance(arg, (list, tuple)) else (arg,)
-        pending += b"$%d\r\n" % sum(_nbytes(part) for part in parts)
-        for part in parts:
-            if _nbytes(part) < _JOIN_BELOW:
-                pending += part
-            else:
-                out.append(bytes(pending))
-                out.append(part if isinstance(part, memoryview) else memoryview(part))
-                pending = bytearray()
-        pending += _CRLF
-    out.append(bytes(pending))
+    pending: list[Buffer] = []  # small parts, joined once
+    for args in commands:
+        pending.append(b"*%d\r\n" % len(args))
+        for arg in args:
+            value: Any = arg
+            kind = type(value)
+            if kind is str:
+                value = value.encode()
+            elif kind is int:
+                value = b"%d" % value
+            elif kind is not bytes:
+                if isinstance(value, str):
+                    value = value.encode()
+                elif isinstance(value, bool):
+                    raise TypeError("a bool is not a Redis argument")
+                elif isinstance(value, (int, float)):
+                    value = repr(value).encode()
+            if type(value) is bytes and len(value) < _JOIN_BELOW:  # the common case: a name, a key, a number
+                pending.append(b"$%d\r\n%b\r\n" % (len(value), value))
+                continue
+            parts: Sequence[Buffer] = value if isinstance(value, (list, tuple)) else (value,)
+            pending.append(b"$%d\r\n" % sum(_nbytes(part) for part in parts))
+            for part in parts:
+                if _nbytes(part) < _JOIN_BELOW:
+                    pending.append(part)
+                else:
+                    out.append(b"".join(pending))
+                    out.append(part if isinstance(part, memoryview) else memoryview(part))
+                    pending = []
+            pending.append(_CRLF)
+    out.append(b"".join(pending))
     return out
 
 
 def send(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
     """Write every buffer, in order: scatter-gather where the socket allows it (not over TLS)."""
+    if len(buffers) == 1:
+        sock.sendall(buffers[0])
+        return
     if isinstance(sock, ssl.SSLSocket) or getattr(sock, "sendmsg", None) is None:
         for buffer in buffers:
             sock.sendall(buffer)
         return
-    views = [memoryview(b).cast("B") for b in buffers if _nbytes(b)]
+    views = [b for b in buffers if _nbytes(b)]
     start = 0
     while start < len(views):
         sent = sock.sendmsg(views[start:start + _IOV_MAX])
         # Skip what went out whole; cut the first buffer that went out in part.
-        while start < len(views) and sent >= views[start].nbytes:
-            sent -= views[start].nbytes
+        while start < len(views) and sent >= _nbytes(views[start]):
+            sent -= _nbytes(views[start])
             start += 1
         if sent:
-            views[start] = views[start][sent:]
+            views[start] = memoryview(views[start]).cast("B")[sent:]
 
 
 def pack_getdel(key: str) -> bytes:
@@ -152,31 +173,33 @@ class BulkReader:
         """One whole reply: ``bytearray`` (bulk), ``str`` (status), ``int``, ``list``, ``None`` (null), or a
         :class:`RespError` (returned, not raised: the reply was read whole and the connection is in step)."""
         line = self._line()
-        kind, body = line[:1], line[1:]
-        if kind == b"+":
-            return body.decode(errors="replace")
-        if kind == b"-":
-            return RespError(body.decode(errors="replace"))
-        if kind == b":":
-            return int(body)
-        if kind == b"_":
-            return None
+        kind = line[:1]
         if kind == b"$":
-            length = int(body)
+            length = int(line[1:])
             if length < 0:
                 return None
-            value = bytearray(length)
+            # The value and its CRLF in one read: the CRLF alone would often cost another recv.
+            value = bytearray(length + 2)
             self._read_exact(memoryview(value))
-            if self._line() != b"":
+            if value[length:] != _CRLF:
                 raise ProtocolError("bulk reply not terminated by CRLF")
+            del value[length:]
             return value
         if kind == b"*":
-            count = int(body)
+            count = int(line[1:])
             if count < 0:
                 return None
             if depth >= _MAX_DEPTH:
                 raise ProtocolError("reply nested deeper than expected")
             return [self.read_reply(depth + 1) for _ in range(count)]
+        if kind == b"+":
+            return line[1:].decode(errors="replace")
+        if kind == b":":
+            return int(line[1:])
+        if kind == b"-":
+            return RespError(line[1:].decode(errors="replace"))
+        if kind == b"_":
+            return None
         raise ProtocolError(f"unexpected reply {line[:40]!r}")
 
     def read_bulk_into(self, destination: memoryview) -> str | None:
@@ -251,23 +274,9 @@ def take_into(
 
 def call(sock: socket.socket, *commands: Sequence[Argument]) -> list[Any]:
     """Send ``commands`` in one write and read their replies (see :meth:`BulkReader.read_reply`)."""
-    buffers: list[Buffer] = []
-    for command in commands:
-        buffers += frame(*command)
-    send(sock, _joined(buffers))
+    send(sock, encode(commands))
     reader = BulkReader(sock, 4096)  # short replies; a long value goes straight to its own buffer
     return [reader.read_reply() for _ in commands]
-
-
-def _joined(buffers: list[Buffer]) -> list[Buffer]:
-    """Adjacent small buffers in one (each command's frame ends with one)."""
-    out: list[Buffer] = []
-    for buffer in buffers:
-        if out and isinstance(buffer, bytes) and isinstance(out[-1], bytes) and len(buffer) < _JOIN_BELOW:
-            out[-1] += buffer
-        else:
-            out.append(buffer)
-    return out
 
 
 def first_error(replies: Sequence[Any]) -> RespError | None:
@@ -296,14 +305,14 @@ def put_pieces(
     unread = 0
     position = 0
     while position < len(keys):
-        buffers: list[Buffer] = []
+        commands = []
         size = 0
         start = position
         while position < len(keys) and (size < batch_bytes or position == start):
-            buffers += frame("SET", keys[position], pieces[position], "PX", ttl_ms)
+            commands.append(("SET", keys[position], pieces[position], "PX", ttl_ms))
             size += _nbytes(pieces[position])
             position += 1
-        send(sock, _joined(buffers))
+        send(sock, encode(commands))
         if unread:
             error = _read_set_replies(reader, unread) or error
         unread = position - start

@@ -33,6 +33,9 @@ copies it into pinned host memory (``non_blocking``, then waits for the stream) 
 reader receives into pinned memory (``take(allocate=...)``) and copies the tensors to the GPU; ``memcpy``
 becomes a device-to-host-to-device copy through a preallocated pinned buffer. The other paths and the
 targets are the CPU path's, so they are left out.
+
+Beside the paths, the scheduler's lookup (``RedisLookupBuffer.contains`` of a 1- and a 1000-token prompt,
+each measured as a phase of its own in a fresh process) is timed against its 0.2 ms target.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ REDIS_MAX_BULK = 512 << 20  # proto-max-bulk-len's default: one value cannot be 
 RAW_B_PIECE = 1 << 20
 RAW_B_INFLIGHT = 4 << 20
 RAW_WRITE_DEPTH, RAW_READ_DEPTH = 16, 4  # raw-socket: SETs unanswered, GETDELs requested ahead
+LOOKUP_TOKENS = (1, 1000)  # prompt lengths of the scheduler's lookup: a token, and a long prompt
+LOOKUP_TARGET_S = 0.2e-3  # issue 13: the median lookup under 0.2 ms
 SWEEP_CHUNKS = ("256KiB", "1MiB", "4MiB")
 SWEEP_INFLIGHT = ("1MiB", "4MiB", "16MiB")
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
@@ -157,9 +162,11 @@ def measured(record: dict[str, Any], wake: Callable[[], None]) -> Iterator[None]
     """Time the block and record its extra peak memory (ru_maxrss after minus right before).
 
     ``wake`` (a PING) runs right before the clock starts: an idle core here takes ~0.4 ms to wake, which
-    would otherwise land on whichever command comes first after the gc pass.
+    would otherwise land on whichever command comes first. The garbage collector is off in the measuring
+    processes and runs after each phase (in the worker), not right before one: a full collection walks
+    the whole heap (torch's objects included) and would leave every path's next phase with cold caches,
+    which no transfer in a serving process sees.
     """
-    gc.collect()
     record["peak_reset"] = _reset_peak()
     before = _maxrss()
     record["rss_before"] = _rss()
@@ -525,6 +532,7 @@ def worker_main(conn: Any, role: str, path: str, nbytes: int, seed: int, url: st
                 env: dict[str, str]) -> None:
     """A fresh process playing one role of one path; each ``run`` request is one measured phase."""
     try:
+        gc.disable()  # no collection inside a measured phase: one runs after each
         os.environ.update(env)
         device = os.environ.get(DEVICE_ENV, "cpu")
         kv = make_kv(nbytes, seed).to(device)
@@ -547,6 +555,7 @@ def worker_main(conn: Any, role: str, path: str, nbytes: int, seed: int, url: st
                         raise RuntimeError("warm-up round trip returned different bytes")
                     impl.finish(tag)
                     impl.kv = kv
+                gc.collect()
                 conn.send(("done", None))
                 continue
             impl.prepare(tag)
@@ -556,6 +565,7 @@ def worker_main(conn: Any, role: str, path: str, nbytes: int, seed: int, url: st
             record["verified"] = bool(impl.verify(result))
             del result
             impl.finish(tag)
+            gc.collect()  # before replying: the next phase (maybe the other process's) must not share a core
             conn.send(("done", record))
         impl.close()
         conn.send(("stopped", None))
@@ -595,7 +605,8 @@ class Worker:
 
 
 def measure(ctx: Any, variants: dict[str, tuple[str, dict[str, str]]], nbytes: int, repeat: int, url: str,
-            prefix: str, tick: Callable[[], None] = lambda: None) -> dict[str, dict[str, Any]]:
+            prefix: str, tick: Callable[[], None] = lambda: None,
+            warmup: int = 2) -> dict[str, dict[str, Any]]:
     """``repeat`` write+read round trips of each variant (name: (path, env)) at one size.
 
     Each variant's writer and reader are fresh processes. Round trips are interleaved (rep 1 of every
@@ -610,10 +621,11 @@ def measure(ctx: Any, variants: dict[str, tuple[str, dict[str, str]]], nbytes: i
         for name, (writer, reader) in workers.items():
             writer.ready()
             reader.ready()
-            for rep in range(2):
+            for rep in range(warmup):  # the same for every path
                 tag = f"{prefix}-{_tagged(name)}-{fmt_size(nbytes)}-warmup{rep}"
                 writer.run(tag, "warmup")
                 reader.run(tag, "warmup")
+        prime_redis(url, nbytes, f"{prefix}-prime")
         names = list(variants)
         for rep in range(repeat):
             for name in names[rep % len(names):] + names[:rep % len(names)]:
@@ -626,6 +638,29 @@ def measure(ctx: Any, variants: dict[str, tuple[str, dict[str, str]]], nbytes: i
             for worker in pair:
                 worker.stop()
     return {name: summarize(runs[name], nbytes) for name in variants}
+
+
+def prime_redis(url: str, nbytes: int, tag: str) -> None:
+    """Store and delete ``nbytes`` in 1 MiB values before a size's measured rounds, so that Redis's own
+    first growth to that size (fresh pages in the server) lands on no path: it would land on the first
+    path of the first round, kvredis's write every time (3.4 s for 1 GiB against 0.7 s in later rounds)."""
+    if nbytes < RAW_B_PIECE:
+        return
+    client = MiniResp(url)
+    try:
+        keys = [f"{tag}:{i}".encode() for i in range(-(-nbytes // RAW_B_PIECE))]
+        data = memoryview(bytearray(RAW_B_PIECE))
+        for start in range(0, len(keys), 64):
+            batch = keys[start:start + 64]
+            for key in batch:
+                client.sock.sendall(client.pack(b"SET", key, data))
+            for _ in batch:
+                if client.line() != b"+OK":
+                    raise RuntimeError("SET refused while priming Redis")
+        for start in range(0, len(keys), 500):
+            client.command(b"DEL", *keys[start:start + 500])
+    finally:
+        client.close()
 
 
 def _tagged(name: str) -> str:
@@ -691,8 +726,8 @@ def phases_main(conn: Any, nbytes: int, url: str, prefix: str, repeat: int) -> N
         timer = PhaseTimer()
         patches = [
             (buffer.RedisLookupBuffer, "insert"), (buffer.RedisLookupBuffer, "drop_select"),
-            (buffer, "_pieces"), (buffer, "_same"), (buffer.RedisLookupBuffer, "_take_pieces"),
-            (codec, "encode"), (codec, "read_header"), (codec, "decode_payload"),
+            (buffer, "_pieces"), (buffer, "_holds"), (buffer.RedisLookupBuffer, "_take_pieces"),
+            (codec.Frames, "of"), (codec.Frames, "encode"), (codec, "read_header"), (codec, "decode_payload"),
             (client.RedisStore, "put_pieces"), (client.RedisStore, "push_record"),
             (client.RedisStore, "pop_record"), (client.RedisStore, "take_pieces"),
             (redis.client.Pipeline, "execute"),
@@ -741,6 +776,113 @@ def run_phases(ctx: Any, nbytes: int, url: str, prefix: str, repeat: int) -> lis
         raise RuntimeError(payload)
     keys = list(payload[0])
     return [(k, statistics.median(r[k][0] for r in payload), payload[0][k][1]) for k in keys]
+
+
+# -- the scheduler's lookup ------------------------------------------------------------------------
+
+
+def lookup_prompt(length: int, first: int = 1000) -> list[int]:
+    """A prompt of ``length`` token IDs as vLLM's scheduler hands it over (a list of ints)."""
+    return list(range(first, first + length))
+
+
+def lookup_main(conn: Any, url: str, namespace: str, lengths: tuple[int, ...]) -> None:
+    """A fresh process asking, as vLLM's scheduler does for each new request, whether an entry waits for a
+    prompt (``RedisLookupBuffer.contains``); each ``lookup`` request is one measured phase."""
+    try:
+        gc.disable()  # as in worker_main: collections run between phases
+        import torch
+
+        from kvredis.buffer import RedisLookupBuffer
+        from kvredis.config import KVRedisConfig
+
+        buffer = RedisLookupBuffer(KVRedisConfig.from_env(overrides={"url": url, "namespace": namespace}))
+        prompts = {length: lookup_prompt(length) for length in lengths}
+        tiny = make_kv(LAYER_TOKEN_BYTES, 0)
+        for tokens in prompts.values():  # an entry waits for each prompt: every lookup must say so
+            buffer.insert(torch.tensor(tokens), None, tiny[0], tiny[1], None)
+        absent_ok = not buffer.contains(lookup_prompt(max(lengths), first=7))
+        conn.send(("ready", None))
+        while True:
+            command, length = conn.recv()
+            if command == "stop":
+                break
+            record: dict[str, Any] = {}
+            with measured(record, buffer.store.ping):
+                found = buffer.contains(prompts[length])
+            record["verified"] = found is True and absent_ok
+            gc.collect()
+            conn.send(("done", record))
+        buffer.close()
+        conn.send(("stopped", None))
+    except BaseException:  # report anything to the parent, which raises it
+        conn.send(("error", traceback.format_exc()))
+
+
+def run_lookups(ctx: Any, url: str, prefix: str, repeat: int, lengths: tuple[int, ...] = LOOKUP_TOKENS,
+                tick: Callable[[], None] = lambda: None, warmup: int = 2) -> dict[int, dict[str, Any]]:
+    """``repeat`` measured lookups of each prompt length in one fresh process, lengths interleaved, after
+    ``warmup`` unrecorded ones each (as many as the transfer paths' warm-up round trips)."""
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=lookup_main, args=(child, url, f"{prefix}-lookup", lengths), daemon=True)
+    process.start()
+    child.close()
+
+    def reply() -> Any:
+        kind, payload = parent.recv()
+        if kind == "error":
+            raise RuntimeError(f"lookup process failed:\n{payload}")
+        return payload
+
+    runs: dict[int, list[dict[str, Any]]] = {length: [] for length in lengths}
+    try:
+        reply()  # ready
+        for rep in range(-warmup, repeat):  # below 0: warm-up, not recorded
+            for length in lengths if rep % 2 == 0 else lengths[::-1]:
+                parent.send(("lookup", length))
+                record = reply()
+                if rep >= 0:
+                    runs[length].append(record)
+            if rep >= 0:
+                tick()
+        parent.send(("stop", None))
+        reply()
+    finally:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    return summarize_lookups(runs)
+
+
+def summarize_lookups(runs: dict[int, list[dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+    """Median, 90th percentile and best seconds of each prompt length's lookups; whether all were right."""
+    summary: dict[int, dict[str, Any]] = {}
+    for length, records in runs.items():
+        seconds = sorted(r["seconds"] for r in records)
+        summary[length] = {
+            "runs": len(seconds),
+            "median_s": statistics.median(seconds),
+            "p90_s": seconds[min(len(seconds) - 1, int(0.9 * len(seconds)))],
+            "best_s": seconds[0],
+            "verified": all(r["verified"] for r in records),
+        }
+    return summary
+
+
+def check_lookups(summary: dict[int, dict[str, Any]], out: Callable[[str], None]) -> bool:
+    """Print the lookup table and a PASS/FAIL line per prompt length; whether every one passed."""
+    out(f"{'tokens':>7} {'median ms':>10} {'p90 ms':>8} {'best ms':>8}  ok")
+    for length, r in summary.items():
+        out(f"{length:>7} {r['median_s'] * 1e3:10.3f} {r['p90_s'] * 1e3:8.3f} {r['best_s'] * 1e3:8.3f}  "
+            f"{'yes' if r['verified'] else 'NO'}")
+    passed = True
+    for length, r in summary.items():
+        ok = r["median_s"] < LOOKUP_TARGET_S and r["verified"]
+        passed = passed and ok
+        out(f"{'PASS' if ok else 'FAIL'}  lookup of a {length}-token prompt: median "
+            f"{r['median_s'] * 1e3:.3f} ms < {LOOKUP_TARGET_S * 1e3:.1f} ms"
+            f"{'' if r['verified'] else ' (WRONG ANSWER)'}")
+    return passed
 
 
 # -- concurrency: several threads, each moving its own entries, at once -------------------------------
@@ -919,11 +1061,19 @@ def check_targets(results: dict[int, dict[str, Any]], out: Callable[[str], None]
         if o and "skipped" not in o:
             ratio = o["total_s"] / kv["total_s"]
             line(ratio >= 0.9, f"128MiB round trip kvredis/raw-socket = {ratio:.2f}x >= 0.9x")
-        for role, need, stretch in (("writer", 0.5, False), ("writer", 0.25, True),
-                                    ("reader", 1.5, False), ("reader", 1.25, True)):
-            extra = kv[f"{role}_extra"]
-            line(extra <= need, f"128MiB {role} extra peak memory {extra:.2f}x <= {need}x payload", stretch)
-        line(kv["verified"], "128MiB kvredis result bit-identical")
+    huge = results.get(1 << 30, {}).get("kvredis")
+    if huge and "skipped" not in huge and kv and "skipped" not in kv:
+        line(huge["mbps"] >= kv["mbps"], f"1GiB kvredis round trip {huge['mbps']:.0f} MB/s >= 128MiB's "
+                                         f"{kv['mbps']:.0f} MB/s (best {huge['best_mbps']:.0f} vs "
+                                         f"{kv['best_mbps']:.0f})")
+    for size in (128 << 20, 1 << 30):
+        r = results.get(size, {}).get("kvredis")
+        if not r or "skipped" in r:
+            continue
+        for role, need in (("writer", 0.25), ("reader", 1.25)):
+            extra = r[f"{role}_extra"]
+            line(extra <= need, f"{fmt_size(size)} {role} extra peak memory {extra:.2f}x <= {need}x payload")
+        line(r["verified"], f"{fmt_size(size)} kvredis result bit-identical")
     small = results.get(64 << 10, {})
     kv, raw = small.get("kvredis"), small.get("raw-A")
     if kv and raw and "skipped" not in kv:
@@ -1012,6 +1162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", action="store_true",
                         help="also time kvredis's internal phases (insert, drop_select) per size")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="4 KiB round trips through every path's clients before measuring (default 2)")
+    parser.add_argument("--lookup-repeat", type=int, default=51, metavar="N",
+                        help="measured lookups (RedisLookupBuffer.contains) of a 1- and a 1000-token prompt "
+                             "(default 51; 0: skip)")
     parser.add_argument("--concurrency", type=int, default=0, metavar="THREADS",
                         help="also THREADS threads at once, each its own --concurrency-size entry, through "
                              "one buffer, against raw-socket with a connection per thread")
@@ -1066,6 +1221,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     native: dict[str, float] | None = None
     concurrency: dict[str, Any] | None = None
+    lookups: dict[int, dict[str, Any]] = {}
     try:
         steps = 0
         if not args.sweep_only:
@@ -1075,8 +1231,15 @@ def main(argv: list[str] | None = None) -> int:
             steps += len(SWEEP_CHUNKS) * len(SWEEP_INFLIGHT) * args.repeat
         if args.phases:
             steps += len(sizes)
+        if args.lookup_repeat and not args.sweep_only:
+            steps += args.lookup_repeat
         bar = tqdm(total=steps, disable=args.no_progress, unit="round trip", file=sys.stderr)
         tick = lambda: bar.update(1)  # noqa: E731
+        if args.lookup_repeat and not args.sweep_only:
+            # First: a latency measurement, before the bulk transfers, whose after-effects (Redis handing
+            # GiBs of memory back) would land on it.
+            bar.set_description("lookups")
+            lookups = run_lookups(ctx, args.url, prefix, args.lookup_repeat, tick=tick, warmup=args.warmup)
         if not args.sweep_only:
             for size in sizes:
                 bar.set_description(f"{fmt_size(size):>6}")
@@ -1089,7 +1252,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         variants[path] = (path, dict(device_env))
                 repeat = args.small_repeat if size <= 1 << 20 else args.repeat
-                measured_paths = measure(ctx, variants, size, repeat, args.url, prefix, tick)
+                measured_paths = measure(ctx, variants, size, repeat, args.url, prefix, tick, args.warmup)
                 results[size] = {p: results[size].get(p) or measured_paths[p] for p in paths}
         if args.sweep or args.sweep_only:
             bar.set_description(f"sweep {fmt_size(args.sweep_size)}")
@@ -1117,7 +1280,8 @@ def main(argv: list[str] | None = None) -> int:
 
     emit(f"# {info['date']}  Redis {info['redis_version']}, redis-py {info['redis_py']}, hiredis "
          f"{info['hiredis']}, torch {info['torch']}, {info['cpus']} CPUs ({info.get('cpu_model', '?')})")
-    emit(f"# write/read: median ms over {args.repeat} round trips ({args.small_repeat} up to 1MiB); "
+    emit(f"# write/read: median ms over {args.repeat} round trips ({args.small_repeat} up to 1MiB), after "
+         f"{args.warmup} warm-up round trips of every path; "
          "RT MB/s = key+value bytes / (write+read), 10^6 B/s, median and best;")
     emit("# ratios = throughput of kvredis over the other path (its time / kvredis's), median (best)")
     emit("# mem = extra peak RSS of the writer / reader process in its phase, x payload (output included;")
@@ -1130,6 +1294,11 @@ def main(argv: list[str] | None = None) -> int:
             emit(f"# the entry on {torch_device_name()}; the CPU path's targets are not checked here")
         else:
             passed = check_targets(results, emit)
+        emit()
+    if lookups:
+        emit(f"# lookup: RedisLookupBuffer.contains (LLEN on a kept connection) of a prompt given as a list "
+             f"of ints, as vLLM's scheduler asks; {args.lookup_repeat} each, every one a phase of its own")
+        passed = check_lookups(lookups, emit) and passed
         emit()
     if concurrency:
         c = concurrency
@@ -1184,6 +1353,7 @@ def main(argv: list[str] | None = None) -> int:
         document = {"command": sys.argv, "machine": info, "device": args.device,
                     "results": {str(k): v for k, v in results.items()},
                     "redis_benchmark": native, "concurrency": concurrency, "sweep": sweep,
+                    "lookups": {str(k): v for k, v in lookups.items()},
                     "phases": {str(k): v for k, v in phases.items()}, "passed": passed}
         with open(args.json, "w") as handle:
             json.dump(document, handle, indent=1, default=str)

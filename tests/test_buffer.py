@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import namespace_keys
 
-from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError
+from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError, codec
+from kvredis import buffer as buffer_module
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.keys import context_digest, new_entry_id
@@ -207,6 +208,42 @@ def test_a_record_for_other_tokens_under_the_key_is_rejected(make_buffer):
     buffer.store.redis.rpush(buffer.keyspace.entry(tokens).queue, record)  # planted under another key
     assert buffer.drop_select(tokens, None) == [None] * 5
     assert buffer.metrics["dropped_foreign"] == 1 and buffer.metrics["miss_foreign"] == 1
+
+
+def plant(buffer, tokens, stored_tokens, mask, key) -> None:
+    """Push a record of ``stored_tokens`` and ``mask`` under ``tokens``'s key (from this key space)."""
+    record = codec.encode([stored_tokens, mask, key, None, None],
+                          {"id": new_entry_id(), "space": buffer.keyspace.prefix}).to_bytes()
+    buffer.store.redis.rpush(buffer.keyspace.entry(tokens).queue, record)
+
+
+@pytest.mark.parametrize(
+    ("stored", "mask", "taken"),
+    [
+        (lambda t: t, lambda n: torch.ones(n, dtype=torch.bool), True),
+        (lambda t: t.to(torch.int32), lambda n: torch.ones(n, dtype=torch.bool), True),  # equal values
+        (lambda t: t.to(torch.int32) + 1, lambda n: torch.ones(n, dtype=torch.bool), False),
+        (lambda t: t[:-1], lambda n: torch.ones(n - 1, dtype=torch.bool), False),
+        (lambda t: torch.cat([t, t[:1]]), lambda n: torch.ones(n + 1, dtype=torch.bool), False),
+        (lambda t: t.reshape(1, -1), lambda n: torch.ones(n, dtype=torch.bool), False),
+        (lambda t: t, lambda n: torch.arange(n) % 2 == 0, False),
+        (lambda t: t, lambda n: torch.ones(n, dtype=torch.uint8), True),  # equal values
+        (lambda t: t, lambda n: torch.ones(n, dtype=torch.uint8) * 2, False),
+    ],
+    ids=["same", "int32-same-values", "int32-other-values", "shorter", "longer", "2d", "other-mask",
+         "uint8-mask", "mask-of-twos"],
+)
+def test_an_entry_is_taken_only_if_its_tokens_and_mask_equal_the_request(make_buffer, stored, mask, taken):
+    # kvredis writes int64 tokens and a bool mask, compared as bytes; another dtype is compared by value.
+    buffer = make_buffer(pop_timeout_s=0.2)
+    tokens, key, _, _ = kv_entry(9)
+    plant(buffer, tokens, stored(tokens), mask(len(tokens)), key)
+    entry, cause = buffer.take(tokens, None)
+    assert cause == ("hit" if taken else "foreign")
+    assert (entry is not None) == taken
+    if taken:
+        assert entry is not None and identical(entry[2], key)
+    assert buffer.metrics["dropped_foreign"] == (0 if taken else 1)
 
 
 def test_entry_larger_than_the_limit_is_refused_before_writing(make_buffer):
@@ -406,3 +443,99 @@ def test_discard_waits_for_an_entry_still_being_written(make_buffer):
     finally:
         writer.join()
     assert namespace_keys(buffer) == []
+
+
+def _advised_huge(tensor: torch.Tensor) -> bool:
+    """Whether the mapping holding ``tensor``'s first byte carries MADV_HUGEPAGE ("hg" in smaps' VmFlags)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return "hg" in line.split()
+    return False
+
+
+@pytest.mark.skipif(buffer_module._MADV_HUGEPAGE is None, reason="madvise(MADV_HUGEPAGE) is Linux's")
+@pytest.mark.parametrize(("nbytes", "huge"), [(4 << 20, False), (32 << 20, True), (128 << 20, True),
+                                              ((128 << 20) + 4096, False)])
+def test_large_outputs_are_advised_to_use_huge_pages(nbytes, huge):
+    out = buffer_module._fresh_output(nbytes)
+    assert out.dtype == torch.uint8 and out.numel() == nbytes
+    assert _advised_huge(out) is huge
+    out[::4096] = 7  # writable everywhere, and still there once nothing but the tensor holds the mapping
+    del nbytes
+    import gc
+    gc.collect()
+    assert int(out[::4096].sum()) == 7 * out[::4096].numel()
+
+
+def test_an_output_without_huge_pages_is_still_an_output(monkeypatch):
+    monkeypatch.setattr(buffer_module, "_MADV_HUGEPAGE", -1)  # madvise refuses it: plain pages
+    out = buffer_module._fresh_output(64 << 20)
+    assert out.numel() == 64 << 20
+    out.fill_(3)
+    assert int(out[-1]) == 3
+
+
+def _big_entry() -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and a key just over the size whose checksums are computed alongside the pieces' writes."""
+    tokens = torch.arange(8)
+    key = torch.zeros(buffer_module._HASH_ALONGSIDE_BYTES // 2, dtype=torch.bfloat16)
+    key[::4097] = 1.5
+    return tokens, key
+
+
+def _checksum_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvredis-checksum"]
+
+
+def test_a_large_entry_hashed_alongside_its_pieces_reads_back_verified(make_buffer):
+    buffer = make_buffer()
+    tokens, key = _big_entry()
+    buffer.insert(tokens, None, key, None, None)
+    entry = buffer.drop_select(tokens, None)  # the reader checks every checksum
+    assert entry[2] is not None and torch.equal(entry[2], key)
+    assert _checksum_threads() == []
+
+
+def test_a_failed_piece_write_waits_for_the_checksums_and_raises_the_store_error(make_buffer, monkeypatch):
+    buffer = make_buffer()
+    tokens, key = _big_entry()
+    finished: list[bool] = []
+    checksums = codec.Frames.checksums
+
+    def slow_checksums(self):
+        time.sleep(0.2)  # still hashing when the write fails
+        result = checksums(self)
+        finished.append(True)
+        return result
+
+    def refuse(*args, **kwargs):
+        raise KVRedisConnectionError("connection lost")
+
+    monkeypatch.setattr(codec.Frames, "checksums", slow_checksums)
+    monkeypatch.setattr(buffer.store, "put_pieces", refuse)
+    with pytest.raises(KVRedisConnectionError, match="connection lost"):
+        buffer.insert(tokens, None, key, None, None)
+    assert finished == [True] and _checksum_threads() == []  # joined, not left running
+    assert buffer.metrics["store_failed_error"] == 1
+    assert buffer.drop_select(tokens, None) == [None] * 5
+
+
+def test_a_failed_checksum_computation_is_raised_and_no_record_written(make_buffer, monkeypatch):
+    buffer = make_buffer(pop_timeout_s=0.2)
+    tokens, key = _big_entry()
+
+    def broken(self):
+        raise RuntimeError("hashing failed")
+
+    monkeypatch.setattr(codec.Frames, "checksums", broken)
+    with pytest.raises(RuntimeError, match="hashing failed"):
+        buffer.insert(tokens, None, key, None, None)
+    assert _checksum_threads() == []
+    assert namespace_keys(buffer) == []  # no record, and the pieces written meanwhile deleted

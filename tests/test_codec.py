@@ -285,6 +285,66 @@ def test_encoding_non_tensor_raises_codec_error(item: Any) -> None:
         codec.encode([item])
 
 
+@pytest.mark.parametrize(
+    ("view", "dtype"),
+    [(memoryview(struct.pack("<3q", 5, -1, 2**40)).cast("q"), torch.int64),
+     (memoryview(b"\x01\x00\x01").cast("?"), torch.bool),
+     (memoryview(bytes(range(6))), torch.uint8),
+     (memoryview(struct.pack("<2i", 7, -7)).cast("i"), torch.int32)],
+    ids=["int64", "bool", "uint8", "int32"],
+)
+def test_a_flat_memoryview_encodes_as_a_tensor_of_its_format(view: memoryview, dtype: torch.dtype) -> None:
+    # kvredis.keys hands the prompt's tokens and mask over as such views: no tensor is made of them.
+    (out,) = round_trip([view])
+    assert out is not None and out.dtype == dtype and tuple(out.shape) == (len(view),)
+    assert out.tolist() == view.tolist()
+    assert codec.payload_size([view]) == codec.encode([view]).payload_nbytes == ALIGN
+
+
+@pytest.mark.parametrize(
+    "view",
+    [memoryview(struct.pack("<2d", 1.0, 2.0)).cast("d"), memoryview(bytes(range(8)))[::2]],
+    ids=["float64-format", "strided"],
+)
+def test_other_memoryviews_raise_codec_error(view: memoryview) -> None:
+    with pytest.raises(CodecError, match="memoryview"):
+        codec.encode([view])
+
+
+def test_a_flat_metadata_map_is_not_decoded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The writer refuses what the reader's msgpack limits would: for a flat map of short strings and scalars
+    # that is certain without decoding the packed header; anything else is still decoded to make sure.
+    calls: list[int] = []
+    unpack = codec._unpack_header
+
+    def counted(packed: Any) -> Any:
+        calls.append(1)
+        return unpack(packed)
+
+    monkeypatch.setattr(codec, "_unpack_header", counted)
+    codec.encode(sample(), {"id": "0123456789abcdef", "space": "ns:" + "é" * 1000, "chunk": 4096, "x": None})
+    assert calls == []
+    codec.encode(sample(), {"ids": [1, 2, 3]})
+    assert calls == [1]
+    with pytest.raises(CodecError):
+        codec.encode(sample(), {"text": "x" * 5000})
+    assert calls == [1, 1]
+
+
+_FLAT_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
+                         st.floats(allow_nan=False),
+                         st.text(max_size=1100), st.binary(max_size=5000))
+
+
+@settings(max_examples=200, deadline=None)
+@given(meta=st.dictionaries(st.text(max_size=1100), _FLAT_VALUES, max_size=70))
+def test_property_what_the_writer_passes_unchecked_the_reader_accepts(meta: dict[str, Any]) -> None:
+    if not codec._fits_reader_limits(meta):
+        return
+    packed = msgpack.packb({"v": FORMAT_VERSION, "t": [None] * MAX_TENSORS, "m": meta})
+    assert codec._unpack_header(packed)["m"] == meta
+
+
 def test_encode_respects_max_payload_bytes() -> None:
     tensors = [torch.zeros(100, dtype=torch.uint8)]
     assert codec.encode(tensors, max_payload_bytes=128).payload_nbytes == 128
@@ -806,3 +866,13 @@ def test_the_stepped_xxh3_equals_xxhashs_one_call(size: int) -> None:
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     assert codec.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
     assert codec.CHECKSUMS[2] is codec.xxh3_64
+
+
+def test_checksums_computed_beforehand_give_the_same_blob() -> None:
+    frames = codec.Frames.of(sample())
+    meta = {"id": "0123456789abcdef"}
+    crcs = frames.checksums()
+    assert frames.encode(meta, crcs=crcs).to_bytes() == frames.encode(meta).to_bytes()
+    assert len(crcs) == len(frames.views)
+    with pytest.raises(ValueError, match="checksums for"):
+        frames.encode(meta, crcs=crcs[:-1])

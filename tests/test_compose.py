@@ -394,13 +394,33 @@ def test_every_vllm_service_has_a_valid_kv_transfer_config() -> None:
         assert config.get("kv_load_failure_policy") == "recompute", name
 
 
+def _module_file(module: str) -> Path:
+    """Where ``module`` of this checkout lives: ``a/b.py``, or ``a/b/__init__.py`` for a package."""
+    base = REPO_ROOT.joinpath(*module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def _defines_class(module: str, class_name: str) -> bool:
+    """Whether ``module`` defines ``class_name`` at top level, or imports it from a module of this checkout
+    that does (a package re-exporting its connector)."""
+    tree = ast.parse(_module_file(module).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return True
+        imported = isinstance(node, ast.ImportFrom) and any(
+            alias.name == class_name and alias.asname in (None, class_name) for alias in node.names)
+        if imported and node.module and node.module.startswith("kvredis"):
+            return _module_file(node.module).is_file() and _defines_class(node.module, class_name)
+    return False
+
+
 def test_connector_module_and_class_exist() -> None:
     configs = [kv_transfer_config(command_args(service)) for service in vllm_services().values()]
     modules = {config["kv_connector_module_path"] for config in configs}
     classes = {config["kv_connector"] for config in configs}
     assert len(modules) == 1 and len(classes) == 1, f"vLLM services disagree: {modules} {classes}"
     module, class_name = modules.pop(), classes.pop()
-    path = REPO_ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    path = _module_file(module)
     shown = path.relative_to(REPO_ROOT)
     assert path.is_file(), (
         f"docker-compose.yml has vLLM load {class_name} from module {module}, but {shown} does not exist "
@@ -409,11 +429,9 @@ def test_connector_module_and_class_exist() -> None:
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin is not None, f"{module} is not importable from this environment"
     assert Path(spec.origin).resolve() == path.resolve(), f"{module} resolves to {spec.origin}, not {path}"
-    tree = ast.parse(path.read_text(), filename=str(path))
-    defined = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
-    assert class_name in defined, (
-        f"{shown} defines no top-level class {class_name} (it defines {sorted(defined)}): vLLM would fail "
-        f"to load the connector named in docker-compose.yml"
+    assert _defines_class(module, class_name), (
+        f"{shown} neither defines nor imports a top-level class {class_name}: vLLM would fail to load the "
+        f"connector named in docker-compose.yml"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from kvredis.keys import (
     CacheIdentity,
     EntryKeys,
     KeySpace,
+    Prompt,
     canonical_roi,
     canonical_tokens,
     check_entry_id,
@@ -95,6 +97,60 @@ def test_sliced_tensor_hashes_only_its_own_elements() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensor_gives_same_digest() -> None:
     assert prompt_digest(torch.tensor(TOKENS, device="cuda")) == prompt_digest(TOKENS)
+
+
+def reference_digest(tokens, roi=None) -> str:
+    """The documented canonical hash, through the general (numpy) path only."""
+    flat = canonical_tokens(tokens)
+    hasher = hashlib.blake2b(digest_size=16, person=b"kvredis-prompt")
+    hasher.update(len(flat).to_bytes(8, "little"))
+    hasher.update(flat.tobytes())
+    hasher.update(canonical_roi(roi, len(flat)).tobytes())
+    return hasher.hexdigest()
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        TOKENS, tuple(TOKENS), [], [0], [-(2**63), 2**63 - 1, -1], [np.int64(5), np.int32(-7), 3],
+        [True, 1, 2], [2**63], [2**64 + 5], torch.tensor(TOKENS), torch.tensor([TOKENS, TOKENS]),
+        torch.tensor(42), torch.tensor(TOKENS)[1:], torch.tensor(TOKENS)[::2],
+        torch.tensor([], dtype=torch.int64), torch.tensor([-5, 300], dtype=torch.int16), torch.tensor([True]),
+        torch.tensor([1.0]), torch.tensor([]), torch.tensor([1, 2], dtype=torch.uint32),
+    ],
+    ids=["list", "tuple", "empty", "one", "int64-range", "numpy-scalars", "bool-then-ints", "past-int64",
+         "past-uint64", "tensor", "tensor-2d", "tensor-0d", "tensor-offset", "tensor-strided",
+         "tensor-empty", "tensor-int16", "tensor-bool", "tensor-float", "tensor-float-empty",
+         "tensor-uint32"],
+)
+def test_the_fast_paths_give_the_canonical_bytes_and_digest(tokens) -> None:
+    # Lists, tuples and CPU int64 tensors skip numpy; the result must be what the general path gives (or the
+    # same error).
+    try:
+        expected = canonical_tokens(tokens)
+    except (TypeError, ValueError, OverflowError) as exc:
+        with pytest.raises(type(exc)):
+            Prompt.of(tokens)
+        return
+    prompt = Prompt.of(tokens)
+    assert prompt.tokens.format == "q" and prompt.tokens.ndim == 1
+    assert prompt.tokens.tobytes() == expected.tobytes()
+    assert prompt.mask.format == "?" and prompt.mask.tobytes() == b"\x01" * len(expected)
+    assert prompt.digest == reference_digest(tokens)
+
+
+def test_a_roi_mask_gives_the_canonical_digest() -> None:
+    roi = [1, 0, 1, 1, 0, 1, 1]
+    prompt = Prompt.of(torch.tensor(TOKENS), torch.tensor(roi))
+    assert prompt.mask.tobytes() == bytes(roi)
+    assert prompt.digest == reference_digest(TOKENS, roi)
+
+
+def test_a_prompt_keeps_the_tokens_it_was_made_of() -> None:
+    tokens = torch.tensor(TOKENS)
+    prompt = Prompt.of(tokens)
+    tokens[0] = 1
+    assert prompt.tokens.tolist() == TOKENS
 
 
 def test_digest_does_not_mutate_input() -> None:
@@ -446,3 +502,40 @@ def test_entry_ids_are_checked_before_naming_a_key() -> None:
     for bad in ["", "x" * 16, "0123", "*", "0123456789abcdef:q", None, 7]:
         with pytest.raises(ValueError, match="entry id"):
             keys.entry_queue(bad)  # type: ignore[arg-type]
+
+
+def test_entry_ids_are_unique_across_refills_and_threads() -> None:
+    import threading
+
+    got: list[list[str]] = [[] for _ in range(4)]
+
+    def draw(out: list[str]) -> None:
+        out.extend(new_entry_id() for _ in range(2000))
+
+    workers = [threading.Thread(target=draw, args=(out,)) for out in got]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    ids = [entry_id for out in got for entry_id in out]
+    assert len(ids) == 8000 and len(set(ids)) == 8000  # more than 256: the batch was refilled many times
+    assert all(check_entry_id(entry_id) == entry_id for entry_id in ids)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_reuse_its_parents_entry_ids() -> None:
+    new_entry_id()  # the parent now holds a batch of ids it has not handed out
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: send its ids and leave at once
+        try:
+            os.write(write, "".join(new_entry_id() for _ in range(100)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read().decode()
+    os.waitpid(pid, 0)
+    child = {data[i:i + 16] for i in range(0, len(data), 16)}
+    parent = {new_entry_id() for _ in range(100)}
+    assert len(child) == 100 and not child & parent
