@@ -145,11 +145,23 @@ class Disaggregated:
     redis: RedisServer
     namespace: str
 
-    def keys(self) -> list[bytes]:
+    def stored_keys(self) -> list[bytes]:
         """Every key of the namespace."""
         client = self.redis.client()
         try:
             return sorted(client.scan_iter(match=f"{self.namespace}:*", count=1000))
+        finally:
+            client.close()
+
+    def delete_keys(self) -> None:
+        """Delete every key of the namespace (a failed test's, so that it does not fail the next ones)."""
+        if self.redis.process is None or self.redis.process.poll() is not None:
+            return  # a test stopped the server; the next one starts it again, empty
+        client = self.redis.client()
+        try:
+            leftover = self.stored_keys()
+            if leftover:
+                client.delete(*leftover)
         finally:
             client.close()
 

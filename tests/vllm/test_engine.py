@@ -78,14 +78,7 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def no_leftovers(deployment: Deployment) -> Iterator[None]:
     """Each test checks it leaves no key; this keeps one failure from cascading into the next tests."""
     yield
-    if deployment.redis.process is not None and deployment.redis.process.poll() is None:
-        client = deployment.redis.client()
-        try:
-            leftover = deployment.keys()
-            if leftover:
-                client.delete(*leftover)
-        finally:
-            client.close()
+    deployment.delete_keys()
 
 
 def reference_answers(deployment: Deployment, prompts: list[list[int]]) -> list[dict[str, Any]]:
@@ -100,7 +93,7 @@ def diagnosis(deployment: Deployment, prefill_before: dict[str, float]) -> str:
     time.sleep(2.0)  # a late write lands, and the next stats report carries it
     deployment.prefill.complete([7], max_tokens=1)
     saved = counter_delta(prefill_before, deployment.prefill.counters())
-    lines = [f"prefill counters since the test began: {saved}", f"keys in Redis: {deployment.keys()}"]
+    lines = [f"prefill counters since the test began: {saved}", f"keys in Redis: {deployment.stored_keys()}"]
     for server in (deployment.prefill, deployment.decode):
         said = [line for line in server.log_text().splitlines() if "request " in line and "KV" in line]
         lines.append(f"{server.name} log: {said[-5:]}")
@@ -130,7 +123,7 @@ def test_decode_matches_an_engine_without_connector_and_loads_every_prompt(deplo
     prefill_delta = wait_counters(deployment.prefill, prefill_before,
                                   {"saved_requests": len(prompts), "saved_tokens": loaded + len(prompts)})
     assert prefill_delta == {"saved_requests": len(prompts), "saved_tokens": loaded + len(prompts)}
-    assert deployment.keys() == []
+    assert deployment.stored_keys() == []
 
 
 def test_concurrent_requests_are_batched_and_all_loaded(deployment: Deployment) -> None:
@@ -147,7 +140,7 @@ def test_concurrent_requests_are_batched_and_all_loaded(deployment: Deployment) 
         assert cached_tokens(got) == len(prompt) - 1
     delta = wait_counters(deployment.decode, before, {"loaded_requests": len(prompts)})
     assert delta.get("loaded_requests") == len(prompts) and "load_failures" not in delta
-    assert deployment.keys() == []
+    assert deployment.stored_keys() == []
 
 
 # -- the loaded KV is really used ------------------------------------------------------------------
@@ -189,7 +182,7 @@ def test_a_corrupted_entry_is_rejected_and_the_prompt_recomputed(deployment: Dep
         time.sleep(0.1)
     delta = wait_counters(deployment.decode, before, {"load_failures": 1})
     assert delta == {"load_failures": 1, "failed_tokens": 99}
-    assert deployment.keys() == []
+    assert deployment.stored_keys() == []
 
 
 def test_a_consistently_altered_entry_changes_the_output(deployment: Deployment) -> None:
@@ -215,7 +208,7 @@ def test_a_consistently_altered_entry_changes_the_output(deployment: Deployment)
     assert tokens_of(decoded) != expected  # ... and used
     delta = wait_counters(deployment.decode, before, {"loaded_requests": 1})
     assert delta == {"loaded_requests": 1, "loaded_tokens": 99}
-    assert deployment.keys() == []
+    assert deployment.stored_keys() == []
 
 
 # -- Redis down ------------------------------------------------------------------------------------
@@ -252,4 +245,4 @@ def test_with_redis_stopped_decode_recomputes_and_warns(deployment: Deployment) 
     decoded = deployment.decode.complete(after, params=params)
     assert cached_tokens(decoded) == len(after) - 1
     assert tokens_of(decoded) == expected[2]
-    assert deployment.keys() == []
+    assert deployment.stored_keys() == []

@@ -100,13 +100,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Multimodal]:
 def clean_slate(vlm: Multimodal) -> Iterator[None]:
     """A failed test's keys must not fail the next one."""
     yield
-    client = vlm.redis.client()
-    try:
-        leftover = vlm.keys()
-        if leftover:
-            client.delete(*leftover)
-    finally:
-        client.close()
+    vlm.delete_keys()
 
 
 def png(seed: int) -> str:
@@ -142,7 +136,7 @@ def loaded_whole(answer: Answer) -> bool:
 
 def keys_are(vlm: Multimodal, expected: list[bytes]) -> None:
     """Wait until the namespace holds exactly ``expected`` (taken entries are deleted as they are read)."""
-    wait_until(lambda: vlm.keys() == expected, 90, f"exactly {len(expected)} keys in Redis")
+    wait_until(lambda: vlm.stored_keys() == expected, 90, f"exactly {len(expected)} keys in Redis")
 
 
 def test_two_images_with_the_same_tokens_each_get_their_own_answer(vlm: Multimodal) -> None:
@@ -177,11 +171,11 @@ def test_an_entry_is_found_only_by_a_request_with_its_image(vlm: Multimodal) -> 
     assert want_c.tokens != want_e.tokens
     ask(vlm, vlm.prefill, c, text, max_tokens=1)  # no decode behind it: stored for any request of its key
     (queue_c,) = vlm.entry_queues(1, timeout_s=90)
-    left = vlm.keys()
+    left = vlm.stored_keys()
     before = vlm.decode.counters()
     got = ask(vlm, vlm.decode, e, text)
     assert got.tokens == want_e.tokens and got.cached_tokens == 0, got.cached_tokens
-    assert vlm.keys() == left, "C's entry was touched by a request with image E"
+    assert vlm.stored_keys() == left, "C's entry was touched by a request with image E"
     # Now E's prompt is stored too: the same tokens, two keys.
     ask(vlm, vlm.prefill, e, text, max_tokens=1)
     queues = vlm.entry_queues(2, timeout_s=90)
@@ -211,7 +205,7 @@ def test_an_announcement_for_one_image_is_never_loaded_for_another(vlm: Multimod
     params_f = abandoned.kv_transfer_params
     assert isinstance(params_f, dict), abandoned
     vlm.entry_queues(1, timeout_s=90)
-    left = vlm.keys()
+    left = vlm.stored_keys()
     before = vlm.decode.counters()
     got = ask(vlm, vlm.proxy, g, text)
     assert got.tokens == want["g"].tokens and loaded_whole(got), got.cached_tokens
@@ -220,7 +214,7 @@ def test_an_announcement_for_one_image_is_never_loaded_for_another(vlm: Multimod
     got = ask(vlm, vlm.decode, h, text, kv_transfer_params=params_f)
     assert time.monotonic() - started < POP_TIMEOUT_S, "a request waited for another image's entry"
     assert got.tokens == want["h"].tokens and got.cached_tokens == 0, got.cached_tokens
-    assert vlm.keys() == left, "F's entry was touched by a request with image H"
+    assert vlm.stored_keys() == left, "F's entry was touched by a request with image H"
     wait_until(lambda: "names an entry written for another" in vlm.decode.log_text(), 30, "the warning")
     got = ask(vlm, vlm.decode, f, text, kv_transfer_params=params_f)
     assert got.tokens == want["f"].tokens and loaded_whole(got), got.cached_tokens

@@ -31,6 +31,7 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 import openai
 import torch
 from engine_servers import (
+    Disaggregated,
     Proxy,
     Server,
     counter_delta,
@@ -43,7 +44,7 @@ from engine_servers import (
     wait_ready,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from redis_servers import RedisServer, wait_until
+from redis_servers import wait_until
 
 from kvredis.tinymodel import prompt_text
 
@@ -85,24 +86,13 @@ def write_lora_adapter(folder: Path, model: Path, seed: int, rank: int = 8) -> P
 
 
 @dataclass
-class Serving:
-    prefill: Server
-    decode: Server
+class Serving(Disaggregated):
     reference: Server
     other_block_prefill: Server  # block size 64, in front of the same decode through ``other_proxy``
     proxy: Proxy
     other_proxy: Proxy
     dead_decode_proxy: Proxy  # in front of the prefill and a decode address that refuses connections
-    redis: RedisServer
-    namespace: str
     adapters: list[str] = field(default_factory=list)
-
-    def stored_keys(self) -> list[bytes]:
-        client = self.redis.client()
-        try:
-            return sorted(client.scan_iter(match=f"{self.namespace}:*", count=1000))
-        finally:
-            client.close()
 
     def assert_no_keys(self, timeout_s: float = 30.0) -> None:
         """No key is left (unused announced entries are deleted in the background: wait, briefly)."""
@@ -153,7 +143,7 @@ def serving(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                     start_proxy(folder, "proxy-64", other.url, decode.url, redis_server.url),
                     start_proxy(folder, "proxy-dead-decode", prefill.url,
                                 f"http://127.0.0.1:{refusing.getsockname()[1]}", redis_server.url)]
-        yield Serving(prefill, decode, reference, other, *proxies, redis_server, namespace, sorted(adapters))
+        yield Serving(prefill, decode, redis_server, namespace, reference, other, *proxies, sorted(adapters))
     finally:
         for process in (*proxies, *engines):
             process.stop()
@@ -165,13 +155,7 @@ def serving(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def clean_slate(serving: Serving) -> Iterator[None]:
     """A failed test's keys must not fail the next one."""
     yield
-    client = serving.redis.client()
-    try:
-        leftover = serving.stored_keys()
-        if leftover:
-            client.delete(*leftover)
-    finally:
-        client.close()
+    serving.delete_keys()
 
 
 # -- requests --------------------------------------------------------------------------------------

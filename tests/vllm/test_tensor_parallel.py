@@ -121,7 +121,7 @@ def test_each_rank_stores_and_loads_its_own_shard(sharded: Sharded) -> None:
         decoded = sharded.decode.complete(prompt, params=params)
         assert cached_tokens(decoded) == len(prompt) - 1, f"{len(prompt)} tokens: KV not loaded"
         assert tokens_of(decoded) == want, f"{len(prompt)} tokens"
-    assert sharded.keys() == []  # each rank of the decode took its own entry
+    assert sharded.stored_keys() == []  # each rank of the decode took its own entry
     loaded = sum(len(prompt) - 1 for prompt in prompts)
     # Counted by every rank: vLLM adds up the workers' stats.
     delta = wait_counters(sharded.decode, decode_before,
@@ -156,4 +156,4 @@ def test_a_lost_shard_makes_the_decode_recompute_the_prompt(sharded: Sharded) ->
     expected = {"load_failures": 1, "failed_tokens": len(prompt) - 1, "loaded_requests": 1,
                 "loaded_tokens": len(prompt) - 1}
     assert wait_counters(sharded.decode, before, expected) == expected
-    assert sharded.keys() == []
+    assert sharded.stored_keys() == []
