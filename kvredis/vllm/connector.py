@@ -305,7 +305,7 @@ class KVRedisConnector(KVConnectorBase_V1):
             params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
             state = self._requests[request.request_id] = _RequestState(
                 context.digest, context.unsupported, bool(params.get("do_remote_decode")),
-                self._announcement(request.request_id, params, context.digest) if self._consumer else None)
+                self._announcement(request, params, context.digest) if self._consumer else None)
             if context.unsupported:
                 self.counts.add(skipped_requests=1)
                 self._warn_once(("unsupported", context.unsupported),
@@ -314,9 +314,10 @@ class KVRedisConnector(KVConnectorBase_V1):
                                 context.unsupported)
         return state
 
-    def _announcement(self, req_id: str, params: Any, context: str) -> _Announcement | None:
-        """What the producer said of its entry, checked against this engine and this request's ``context``
-        digest; ``None`` if nothing."""
+    def _announcement(self, request: Any, params: Any, context: str) -> _Announcement | None:
+        """What the producer said of its entry, checked against this engine and this request (its tokens and
+        ``context`` digest); ``None`` if nothing."""
+        req_id = request.request_id
         try:
             announced = read_announcement(params)
         except MalformedAnnouncement as exc:
@@ -331,6 +332,15 @@ class KVRedisConnector(KVConnectorBase_V1):
             self._warn_once(("context",), "request %s: its announcement names an entry written for another "
                             "LoRA adapter, cache_salt or multimodal input; computing the prompt here", req_id)
             return _Announcement(announced.entry_id, ["context"], [])
+        if (announced.digest is not None
+                and announced.digest != prompt_digest(_token_list(request.prompt_token_ids), None, context)):
+            # Written for other prompt tokens (a proxy or client mixing up requests, or the two engines
+            # tokenizing the prompt differently): no pop could find it under this request's key.
+            self.counts.add(skipped_requests=1)
+            self._warn_once(("tokens",), "request %s: its announcement names an entry written for other "
+                            "prompt tokens (do prefill and decode tokenize alike?); computing it here",
+                            req_id)
+            return _Announcement(announced.entry_id, ["tokens"], [])
         differences = announced.differences(self._engine_description())
         if differences:
             self.counts.add(skipped_requests=1)
@@ -388,6 +398,18 @@ class KVRedisConnector(KVConnectorBase_V1):
             with self._lock:
                 self._discards.add(future)
             future.add_done_callback(self._forget_discard)
+
+    def _discard_when_written(self, spec: TransferSpec) -> None:
+        """Delete, on a background thread, this rank's shard of an announced entry a load gave up waiting
+        for, if it lands within another pop bound (it would otherwise wait out its TTL)."""
+        assert spec.entry_id is not None
+        if self._discard_pool is None:
+            self._discard_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvredis-discard")
+        future = self._discard_pool.submit(self._discard, spec.req_id, spec.token_ids, spec.context,
+                                           spec.entry_id, self.buffer.keyspace.prefix)
+        with self._lock:
+            self._discards.add(future)
+        future.add_done_callback(self._forget_discard)
 
     def _discard(self, req_id: str, tokens: list[int], context: str, entry_id: str, shard: str) -> None:
         try:
@@ -677,6 +699,9 @@ class KVRedisConnector(KVConnectorBase_V1):
             torch.tensor(spec.token_ids, dtype=torch.long), None, context=spec.context,
             entry_id=spec.entry_id, allocate=self._staging.host_bytes if self._staging is not None else None)
         if entry is None:
+            if cause == "absent" and spec.entry_id is not None:
+                # Announced but not written in time (a stalled prefill): delete it when it lands.
+                self._discard_when_written(spec)
             if cause == "absent":
                 return f"no entry within {self.config.pop_timeout_s:g} s (missing, expired or evicted)"
             return f"its entry was dropped as {cause}"

@@ -231,9 +231,10 @@ class Engine:
             time.sleep(0.002)
 
     def wait_discarded(self) -> None:
-        """Until the scheduler's threads deleted every unused announced entry handed to them."""
+        """Until the scheduler's and the worker's threads deleted every unused announced entry handed to
+        them."""
         deadline = time.monotonic() + STEP_TIMEOUT_S
-        while self.connector._discards:
+        while self.connector._discards or self.worker._discards:
             assert time.monotonic() < deadline, "a discard did not finish"
             time.sleep(0.002)
 
@@ -423,6 +424,47 @@ def test_a_decode_that_arrives_before_the_entry_waits_for_it(make_engine, next_e
     assert_pages_moved(producer, consumer, "c", "p", 0, 4)
     consumer.finish("c")
     assert consumer.stats["loaded_requests"] == 1 and consumer.stats["load_failures"] == 0
+    assert_nothing_left(producer, consumer)
+
+
+def test_an_entry_written_after_its_load_gave_up_is_deleted_when_it_lands(
+    make_engine, next_entry_id: str
+) -> None:
+    """The prefill's write comes after the decode's pop bound (a stalled prefill): the decode computes the
+    prompt, then deletes the entry when it lands instead of leaving it to its TTL."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=5.0)
+    prompt = prompt_of(100, seed=4)
+    consumer.add("c", prompt, max_tokens=1, params=announcement(prompt, next_entry_id))
+    consumer.finish("c")  # the load waits out its bound; the prompt is computed
+    assert consumer.stats["load_failures"] == 1 and consumer.new_reqs["c"].num_computed_tokens == 0
+    producer.produce("p", prompt)  # lands now, as the entry announced to "c"
+    consumer.wait_discarded()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    consumer.assert_empty()  # one more step reports the discard's count
+    assert consumer.stats["discarded_entries"] == 1
+    assert_nothing_left(producer, consumer)
+
+
+def test_an_announcement_for_other_tokens_is_not_waited_for(make_engine, caplog) -> None:
+    """A decode handed the announcement of another prompt (a proxy mixing requests up, or engines that
+    tokenize the prompt differently) computes at once, says so once, and leaves that entry to its request."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=60.0)
+    written, asked = prompt_of(70, seed=71), prompt_of(70, seed=72)
+    params = producer.produce("p", written)
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        started = time.monotonic()
+        consumer.add("c", asked, max_tokens=1, params=params)
+        assert consumer.step().num_scheduled_tokens["c"] == 70  # computed now, nothing awaited
+        consumer.finish("c")
+        assert time.monotonic() - started < 30.0
+    said = [r.getMessage() for r in caplog.records if "other prompt tokens" in r.getMessage()]
+    assert len(said) == 1 and "request c" in said[0], said
+    assert len(redis_keys(consumer.redis_url, consumer.namespace)) == 1  # the other prompt's, untouched
+    consumer.add("c2", written, max_tokens=1, params=params)
+    consumer.run(lambda: "c2" in consumer.recved)
+    consumer.finish("c2")
+    assert consumer.stats["skipped_requests"] == 1 and consumer.stats["loaded_requests"] == 1
+    assert consumer.stats["load_failures"] == 0
     assert_nothing_left(producer, consumer)
 
 
