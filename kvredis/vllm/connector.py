@@ -703,7 +703,10 @@ class KVRedisConnector(KVConnectorBase_V1):
                 # Announced but not written in time (a stalled prefill): delete it when it lands.
                 self._discard_when_written(spec)
             if cause == "absent":
-                return f"no entry within {self.config.pop_timeout_s:g} s (missing, expired or evicted)"
+                keys = self.buffer.keyspace.entry(spec.token_ids, None, spec.context)
+                awaited = keys.queue if spec.entry_id is None else keys.entry_queue(spec.entry_id)
+                return (f"no entry within {self.config.pop_timeout_s:g} s at {awaited} (missing, expired or "
+                        "evicted)")
             return f"its entry was dropped as {cause}"
         stored = entry[2]
         if stored is None:

@@ -153,7 +153,7 @@ def test_two_images_with_the_same_tokens_each_get_their_own_answer(vlm: Multimod
     for name in ("a", "b"):
         got = ask(vlm, vlm.proxy, images[name], text)
         assert got.tokens == want[name].tokens, name
-        assert loaded_whole(got), (name, got.cached_tokens)
+        assert loaded_whole(got), (name, got.cached_tokens, vlm.stored_keys(), vlm.decode.log_text()[-3000:])
     delta = wait_counters(vlm.decode, before, {"loaded_requests": 2}, timeout_s=90)
     assert delta.get("loaded_requests") == 2, delta
     assert delta.get("loaded_tokens") == 2 * (QUERY_TOKENS + TEXT_TOKENS - 1), delta

@@ -444,7 +444,8 @@ def test_decode_preemption_while_loads_are_in_flight(serving: Serving) -> None:
     assert got == want
     assert metric(serving.decode, "vllm:num_preemptions_total") > preempted, "nothing was preempted"
     delta = loaded(serving, before, len(prompts))
-    assert delta.get("loaded_requests") == len(prompts) and "load_failures" not in delta, delta
+    failures = [line for line in serving.decode.log_text().splitlines() if "not loaded" in line]
+    assert delta.get("loaded_requests") == len(prompts) and "load_failures" not in delta, (delta, failures)
     serving.assert_no_keys()
     _decode_idle(serving)
 
