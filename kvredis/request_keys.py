@@ -10,7 +10,8 @@ needs no vLLM) the same way on the producer and the consumer.
 Where vLLM names an adapter by path, the key holds a digest of the adapter's files instead: a prefill and a
 decode engine load the same adapter from their own folders, and re-pointing a name at another adapter
 changes the digest. Requests with prompt embeddings are not moved at all (their KV depends on a tensor
-that the token IDs do not show).
+that the token IDs do not show), nor are requests with images on an engine whose multimodal identifiers are
+not content hashes (see :func:`request_context`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from typing import Any
 from kvredis.keys import context_digest
 
 _HASH_CHUNK = 1 << 20
+UNHASHED_MULTIMODAL = ("multimodal inputs that vLLM names by a counter, not by their content (prefix caching "
+                       "and the multimodal processor cache are both off; turn either on to move them)")
+"""Why requests with images are not moved by an engine whose multimodal identifiers are not hashes."""
 
 
 @dataclass(frozen=True)
@@ -35,16 +39,24 @@ class RequestContext:
     unsupported: str | None = None
 
 
-def request_context(request: Any, adapters: AdapterDigests | None = None) -> RequestContext:
-    """The context of a vLLM ``Request``: its LoRA adapter, multimodal inputs and cache salt."""
+def request_context(request: Any, adapters: AdapterDigests | None = None, *,
+                    multimodal_hashed: bool = True) -> RequestContext:
+    """The context of a vLLM ``Request``: its LoRA adapter, multimodal inputs and cache salt.
+    ``multimodal_hashed=False``: the engine names multimodal inputs by something other than their content
+    (vLLM's per-process counter), so a request with any is unsupported."""
     if getattr(request, "prompt_embeds", None) is not None:
         return RequestContext(unsupported="prompt embeddings")
+    features = getattr(request, "mm_features", None) or ()
+    if features and not multimodal_hashed:
+        # Two engines' n-th images get the same name whatever they show: keyed by it, one image's KV
+        # would be loaded for another with the same placeholder tokens.
+        return RequestContext(unsupported=UNHASHED_MULTIMODAL)
     parts: list[tuple[str | int, ...]] = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         content = (adapters or _ADAPTERS).digest(str(getattr(lora, "lora_path", "") or ""))
         parts.append(("lora", str(lora.lora_name), content))
-    for feature in getattr(request, "mm_features", None) or ():
+    for feature in features:
         identifier = getattr(feature, "identifier", None)
         position = getattr(feature, "mm_position", None)
         if not identifier or position is None:

@@ -54,10 +54,11 @@ from kvredis.config import KVRedisConfig
 from kvredis.errors import KVRedisError
 from kvredis.keys import KeySpace, new_entry_id, prompt_digest
 from kvredis.paged import PagedLayout, block_span
-from kvredis.request_keys import AdapterDigests, request_context
+from kvredis.request_keys import UNHASHED_MULTIMODAL, AdapterDigests, request_context
 from kvredis.vllm.engine import (
     cache_identity,
     check_vllm_version,
+    multimodal_inputs_hashed,
     refuse_unsupported,
     worker_pp_rank,
     worker_tp_rank,
@@ -220,6 +221,9 @@ class KVRedisConnector(KVConnectorBase_V1):
                 'kv_load_failure_policy is "fail" (vLLM\'s default): a request whose KV cannot be loaded '
                 "from Redis (expired, evicted, Redis down or slow) fails instead of being computed here; "
                 'add "kv_load_failure_policy": "recompute" to --kv-transfer-config')
+        self._multimodal_hashed = multimodal_inputs_hashed(vllm_config)
+        if not worker and not self._multimodal_hashed:
+            logger.warning("requests with %s are neither saved to nor loaded from Redis", UNHASHED_MULTIMODAL)
         buffer_config = self.config
         if not worker:
             # The scheduler only looks entries up, inside vLLM's scheduling loop: the store bounds the reply
@@ -301,7 +305,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         """The request's state, made at its first lookup (on the producer too: it decides the save)."""
         state = self._requests.get(request.request_id)
         if state is None:
-            context = request_context(request, self._adapters)
+            context = request_context(request, self._adapters, multimodal_hashed=self._multimodal_hashed)
             params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
             state = self._requests[request.request_id] = _RequestState(
                 context.digest, context.unsupported, bool(params.get("do_remote_decode")),

@@ -1,6 +1,7 @@
 """What a vLLM engine is, as far as its KV pages are concerned: the supported releases, the identity an
 entry is written for (:func:`cache_identity`), and the configurations whose pages the connector cannot
-move (:func:`refuse_unsupported`). The scheduler and every worker compute the same identity from the same
+move (:func:`refuse_unsupported`), whether it names multimodal inputs by their content
+(:func:`multimodal_inputs_hashed`). The scheduler and every worker compute the same identity from the same
 configuration; a worker adds its tensor- and pipeline-parallel rank.
 """
 
@@ -109,6 +110,17 @@ def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
         if not isinstance(spec, FullAttentionSpec):
             raise ConfigError(f"kvredis moves full-attention KV caches; this model's is a "
                               f"{type(spec).__name__}, whose blocks it cannot move")
+
+
+def multimodal_inputs_hashed(vllm_config: VllmConfig) -> bool:
+    """Whether this engine names each multimodal input by a hash of its content (vLLM 0.32-0.34's
+    ``_process_mm_uuids``): with prefix caching and the multimodal processor cache both off it names them
+    ``renderer<rank>-mm-<n>-<modality>-<i>`` instead, a counter of this process alone."""
+    multimodal = getattr(vllm_config.model_config, "multimodal_config", None)
+    if multimodal is None:
+        return True  # no multimodal inputs at all
+    cache_gb = getattr(multimodal, "mm_processor_cache_gb", None)
+    return bool(vllm_config.cache_config.enable_prefix_caching) or cache_gb is None or cache_gb > 0
 
 
 def _platform() -> str:

@@ -222,3 +222,52 @@ def test_an_announcement_for_one_image_is_never_loaded_for_another(vlm: Multimod
     assert delta.get("loaded_requests") == 2 and delta.get("skipped_requests") == 1, delta
     assert "load_failures" not in delta, delta
     keys_are(vlm, [])
+
+
+def test_images_vllm_names_by_a_counter_are_never_moved(vlm: Multimodal, tmp_path_factory) -> None:
+    """With prefix caching and the multimodal processor cache both off, vLLM does not hash images: it names
+    each one by a per-process counter, so the first image a prefill sees and the first a decode sees share
+    a name whatever they show. Keyed by that name, image A's entry would be loaded for image B (the same
+    tokens). Such engines neither save nor load requests with images; text requests still move."""
+    folder = tmp_path_factory.mktemp("multimodal-unhashed")
+    model = vlm.reference.model
+    namespace = vlm.namespace + "-unhashed"
+    unhashed = ["--no-enable-prefix-caching", "--mm-processor-cache-gb", "0"]
+    engines = [
+        start_server("prefill-unhashed", model, folder,
+                     kv_transfer_config("kv_producer", vlm.redis.url, namespace, store_all_prompts=True),
+                     serve=True, max_model_len=1024, extra_args=unhashed),
+        start_server("decode-unhashed", model, folder,
+                     kv_transfer_config("kv_consumer", vlm.redis.url, namespace), serve=True,
+                     max_model_len=1024, extra_args=unhashed),
+    ]
+    pair = Disaggregated(engines[0], engines[1], vlm.redis, namespace)
+    try:
+        wait_ready(engines, START_TIMEOUT_S)
+        text = prompt_of(TEXT_TOKENS, seed=14)
+        a, b = png(8), png(9)
+        want_b = ask(vlm, vlm.reference, b, prompt_text(text))
+        assert want_b.tokens != ask(vlm, vlm.reference, a, prompt_text(text)).tokens
+        before = {server.name: server.counters() for server in engines}
+        # Each engine's first image: the same counter name on both.
+        ask(vlm, pair.prefill, a, prompt_text(text), max_tokens=1)
+        got = ask(vlm, pair.decode, b, prompt_text(text))
+        assert got.tokens == want_b.tokens, "image B was answered with image A's KV"
+        assert got.cached_tokens == 0, got.cached_tokens
+        for server in engines:
+            delta = wait_counters(server, before[server.name], {"skipped_requests": 1}, timeout_s=90)
+            assert delta.get("skipped_requests") == 1, (server.name, delta)
+            assert "loaded_requests" not in delta and "saved_requests" not in delta, (server.name, delta)
+            assert "multimodal processor cache" in server.log_text(), server.name
+        assert pair.stored_keys() == []
+        # Text alone still moves between such engines.
+        prompt = prompt_of(70, seed=15)
+        pair.prefill.complete(prompt, max_tokens=1)
+        assert pair.entry_queues(1, timeout_s=90)
+        answer = pair.decode.complete(prompt)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+        wait_until(lambda: pair.stored_keys() == [], 90, "the text entry taken")
+    finally:
+        pair.delete_keys()
+        for server in engines:
+            server.stop()

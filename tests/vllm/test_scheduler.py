@@ -771,6 +771,38 @@ def test_multimodal_inputs_are_part_of_the_key(make_engine) -> None:
     client.close()
 
 
+def test_images_are_not_moved_where_vllm_names_them_by_a_counter(tiny_model: Path, tmp_path: Path) -> None:
+    """vLLM hashes an image's content unless prefix caching and the multimodal processor cache are both off;
+    then it names it by a counter of the process, the same on every engine for its n-th image. Requests with
+    images are unsupported there (never keyed by such a name); text-only requests are not affected."""
+    from kvredis.request_keys import request_context
+    from kvredis.tinymodel import write_tiny_blip2
+    from kvredis.vllm.engine import multimodal_inputs_hashed
+
+    blip2 = write_tiny_blip2(tmp_path / "blip2")
+
+    def hashed(model: Path, prefix_caching: bool, cache_gb: float) -> bool:
+        settings = {"mm_processor_cache_gb": cache_gb} if model == blip2 else {}
+        return multimodal_inputs_hashed(VllmConfig(
+            model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=MAX_LEN, **settings),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching)))
+
+    assert not hashed(blip2, prefix_caching=False, cache_gb=0)
+    assert hashed(blip2, prefix_caching=True, cache_gb=0)
+    assert hashed(blip2, prefix_caching=False, cache_gb=4)
+    assert hashed(tiny_model, prefix_caching=False, cache_gb=0)  # no multimodal inputs at all
+
+    prompt = prompt_of(60, seed=44)
+    counted = Request(request_id="img", prompt_token_ids=prompt, sampling_params=SamplingParams(),
+                      pooling_params=None, mm_features=[_image("renderer0-mm-1-image-0")])
+    text = Request(request_id="text", prompt_token_ids=prompt, sampling_params=SamplingParams(),
+                   pooling_params=None, mm_features=None, cache_salt="tenant")
+    unhashed = request_context(counted, multimodal_hashed=False)
+    assert unhashed.unsupported is not None and "counter" in unhashed.unsupported
+    assert request_context(text, multimodal_hashed=False) == request_context(text)
+    assert request_context(text).digest != ""
+
+
 def test_prompt_embeddings_are_neither_saved_nor_loaded(make_engine, caplog) -> None:
     producer = make_engine("kv_producer", store_all_prompts=True)
     with caplog.at_level(logging.WARNING, logger="kvredis"):
