@@ -59,9 +59,11 @@ def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0) -> C
         "mla" if use_mla else "mha", f"h{heads}", f"d{head_size}",
         f"pp{pp_rank}/{parallel.pipeline_parallel_size}",
     ])
+    # Layers left unquantized (--kv-cache-dtype-skip-layers) hold pages of another dtype than the rest.
+    unquantized = sorted(map(str, getattr(cache_config, "kv_cache_dtype_skip_layers", None) or ()))
     return CacheIdentity(
         model=str(model_config.model),
-        kv_dtype=kv_dtype,
+        kv_dtype=f"{kv_dtype} except layers {','.join(unquantized)}" if unquantized else kv_dtype,
         layout=layout,
         block_size=int(cache_config.block_size),
         tp_rank=tp_rank,

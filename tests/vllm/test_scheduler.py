@@ -634,6 +634,22 @@ def test_versions_outside_the_supported_range_are_refused_at_start_up() -> None:
             check_vllm_version(version)
 
 
+def test_layers_left_unquantized_are_part_of_the_identity(make_engine) -> None:
+    """``--kv-cache-dtype-skip-layers`` keeps some layers' pages in the model's dtype: engines that skip
+    different layers never share entries, and the difference is named."""
+    import copy
+
+    from kvredis.vllm import cache_identity
+
+    config = make_engine("kv_consumer").worker._vllm_config
+    plain = cache_identity(config, 0)
+    skipping = copy.deepcopy(config)
+    skipping.cache_config.kv_cache_dtype_skip_layers = ["2", "0"]
+    other = cache_identity(skipping, 0)
+    assert other.kv_dtype == "float32 except layers 0,2" and plain.kv_dtype == "float32"
+    assert other.digest() != plain.digest()
+
+
 def test_each_parallel_rank_has_its_own_keys(make_engine) -> None:
     """Tensor- and pipeline-parallel ranks hold different shards: their entries must never mix."""
     from kvredis.vllm import cache_identity
