@@ -213,6 +213,9 @@ class KVRedisConnector(KVConnectorBase_V1):
         self._producer = bool(transfer.is_kv_producer)
         self._consumer = bool(transfer.is_kv_consumer)
         self._block_size = int(vllm_config.cache_config.block_size)
+        # Layers with a paged cache (a speculative decoder's draft layers included): an entry holds them all.
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        self._kv_layers = len(groups[0].layer_names) if groups else None
         worker = role == KVConnectorRole.WORKER
         self.identity = cache_identity(vllm_config, worker_tp_rank() if worker else 0,
                                        worker_pp_rank() if worker else 0)
@@ -359,7 +362,8 @@ class KVRedisConnector(KVConnectorBase_V1):
         identity = self.identity
         return {"namespace": self.config.namespace, "model": identity.model, "kv_dtype": identity.kv_dtype,
                 "layout": identity.layout, "block_size": identity.block_size, "tp_size": identity.tp_size,
-                "format_version": identity.format_version, "weights": identity.weights}
+                "format_version": identity.format_version, "weights": identity.weights,
+                "layers": self._kv_layers}
 
     def _warn_once(self, cause: tuple[str, ...], message: str, *args: Any) -> None:
         if cause not in self._warned:

@@ -282,9 +282,10 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
 
     def make(role: str, url: str = real_redis_url, policy: str = "recompute", num_blocks: int = NUM_BLOCKS,
              scheduler_settings: dict[str, Any] | None = None, model_settings: dict[str, Any] | None = None,
-             **settings: Any) -> Engine:
+             layers: tuple[str, ...] = LAYERS, **settings: Any) -> Engine:
         """``scheduler_settings`` and ``model_settings``: more of ``SchedulerConfig``'s and ``ModelConfig``'s
-        fields; ``settings``: the connector's."""
+        fields; ``layers``: the paged caches (the fake forward writes ``LAYERS``); ``settings``: the
+        connector's."""
         extra = {"url": url, "namespace": namespace, "pop_timeout_s": 2.0, **settings}
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN,
@@ -302,15 +303,15 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
         vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the engine core resolves it before connectors
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS,
+            KVCacheGroupSpec(list(layers), FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS,
                                                              head_size=WIDTH // 2, dtype=torch.float32))])
         scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                               structured_output_manager=StructuredOutputManager(vllm_config),
                               block_size=BLOCK_SIZE, log_stats=True)
         worker = KVRedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        layers = {name: torch.zeros(num_blocks, HEADS, BLOCK_SIZE, WIDTH) for name in LAYERS}
-        worker.register_kv_caches(layers)
-        engine = Engine(scheduler, worker, layers, url, namespace, num_blocks=num_blocks)
+        caches = {name: torch.zeros(num_blocks, HEADS, BLOCK_SIZE, WIDTH) for name in layers}
+        worker.register_kv_caches(caches)
+        engine = Engine(scheduler, worker, caches, url, namespace, num_blocks=num_blocks)
         engines.append(engine)
         return engine
 
@@ -958,6 +959,30 @@ def test_an_entry_from_a_model_with_other_positions_is_not_loaded(make_engine, c
     assert alike.stats["loaded_requests"] == 1
     alike.finish("c2")
     assert_nothing_left(producer, consumer, alike)
+
+
+def test_a_decode_with_more_cache_layers_is_named_not_waited_on(make_engine, caplog) -> None:
+    """A decode whose KV caches hold layers the prefill's do not (a speculative decoder's draft layers, on
+    the decode alone): the entry cannot fill them, so the decode computes the prompt at once, says why once
+    and deletes the entry, rather than taking it and failing the load (which fails the request under
+    vLLM's default policy)."""
+    producer = make_engine("kv_producer")
+    consumer = make_engine("kv_consumer", layers=(*LAYERS, "drafter.layers.0.self_attn.attn"),
+                           pop_timeout_s=60.0)
+    prompt = prompt_of(70, seed=64)
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        started = time.monotonic()
+        consumer.add("c", prompt, max_tokens=1, params=producer.produce("p", prompt))
+        assert consumer.step().num_scheduled_tokens["c"] == 70  # computed now, nothing awaited
+        consumer.finish("c")
+        assert time.monotonic() - started < 5.0
+    said = [r.getMessage() for r in caplog.records if "configured differently" in r.getMessage()]
+    assert len(said) == 1 and "KV cache layers 2 on prefill, 3 here" in said[0], said
+    consumer.wait_discarded()
+    consumer.assert_empty()
+    assert consumer.stats["skipped_requests"] == 1 and consumer.stats["discarded_entries"] == 1
+    assert consumer.stats["load_failures"] == 0
+    assert_nothing_left(producer, consumer)
 
 
 @pytest.mark.parametrize("hooked", ["none", "first-layer"])
