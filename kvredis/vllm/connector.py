@@ -615,7 +615,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         # On a GPU: the step's one event, which the compute stream waits for; the writers wait for it.
         copied = self._staging.finish_saves() if self._staging is not None else None
         for spec, pages in captured:
-            future = self._save_pool.submit(self._save, spec, pages, copied)
+            future = self._save_pool.submit(self._save, spec, pages, copied, time.monotonic())
             with self._lock:
                 self._saves_in_flight.add(future)
             future.add_done_callback(self._forget_save)
@@ -654,7 +654,9 @@ class KVRedisConnector(KVConnectorBase_V1):
         """Binds a background thread to the caches' device (a no-op on the CPU)."""
         return self._staging.bound() if self._staging is not None else nullcontext()
 
-    def _save(self, spec: TransferSpec, pages: torch.Tensor, copied: staging.Transfer | None = None) -> None:
+    def _save(self, spec: TransferSpec, pages: torch.Tensor, copied: staging.Transfer | None,
+              handed_at: float) -> None:
+        started = time.monotonic()
         try:
             with self._on_device():
                 if copied is not None:
@@ -671,6 +673,18 @@ class KVRedisConnector(KVConnectorBase_V1):
                              len(spec.token_ids))
         else:
             self.counts.add(saved_requests=1, saved_tokens=len(spec.token_ids))
+            self._report_late_save(spec, handed_at, started)
+
+    def _report_late_save(self, spec: TransferSpec, handed_at: float, started: float) -> None:
+        """Warn when a prompt's entry reached Redis so late that its decode may have given up waiting (it then
+        recomputes the prompt), saying whether the writer waited for a thread or for Redis."""
+        done = time.monotonic()
+        if spec.entry_id is None or done - handed_at < self.config.pop_timeout_s / 2:
+            return
+        logger.warning("request %s: its KV reached Redis %.1f s after its prefill step (%.1f s waiting for a "
+                       "writer thread, %.1f s writing); a decode waits up to %g s (KVREDIS_POP_TIMEOUT_S)",
+                       spec.req_id, done - handed_at, started - handed_at, done - started,
+                       self.config.pop_timeout_s)
 
     def _load(self, spec: TransferSpec, after: staging.Event | None = None) -> None:
         try:

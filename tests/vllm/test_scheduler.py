@@ -985,6 +985,28 @@ def test_a_decode_with_more_cache_layers_is_named_not_waited_on(make_engine, cap
     assert_nothing_left(producer, consumer)
 
 
+def test_a_save_late_enough_to_outlast_a_decode_is_reported(make_engine, monkeypatch, caplog) -> None:
+    """An entry that reaches Redis after half the pop bound may come after its decode gave up: the producer
+    says so, and how long the writer waited for a thread and for Redis; a prompt saved in time is not
+    reported."""
+    producer = make_engine("kv_producer", pop_timeout_s=0.4)
+    insert = producer.worker.buffer.insert
+
+    def slow_insert(*args: Any, **kwargs: Any) -> str:
+        time.sleep(0.3)
+        return insert(*args, **kwargs)
+
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        producer.produce("fast", prompt_of(70, seed=65))
+        monkeypatch.setattr(producer.worker.buffer, "insert", slow_insert)
+        producer.produce("slow", prompt_of(70, seed=66))
+    said = [r.getMessage() for r in caplog.records if "reached Redis" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("request slow: its KV reached Redis"), said
+    assert "writing); a decode waits up to 0.4 s" in said[0], said
+    producer.assert_empty()
+    assert producer.stats["saved_requests"] == 2  # the entries expire unread; the fixture deletes them
+
+
 @pytest.mark.parametrize("hooked", ["none", "first-layer"])
 def test_a_prefill_whose_layer_hooks_did_not_run_is_still_saved_whole(make_engine, hooked: str) -> None:
     """A full CUDA graph replay (or a compiled region) runs no save_kv_layer: the pages are copied from the
