@@ -67,13 +67,6 @@ def streams(engine: Engine) -> tuple[FakeStream, FakeStream]:
     return engine.worker._staging._save_stream, engine.worker._staging._load_stream
 
 
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + STEP_TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.002)
-
-
 def test_cpu_caches_take_the_direct_path(make_engine) -> None:
     engine = make_engine("kv_both")
     assert engine.worker._staging is None

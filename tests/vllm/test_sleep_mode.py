@@ -19,6 +19,7 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 
 import test_scheduler
 import torch
+from redis_servers import wait_until
 from test_scheduler import (
     STEP_TIMEOUT_S,
     announcement,
@@ -33,13 +34,6 @@ from kvredis.vllm import KVRedisConnector
 
 make_engine = test_scheduler.make_engine  # the harness's fixtures
 next_entry_id = test_scheduler.next_entry_id
-
-
-def _wait_until(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + STEP_TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.002)
 
 
 def test_sleep_mode_is_supported(make_engine) -> None:
@@ -70,7 +64,8 @@ def test_a_load_waiting_for_its_entry_during_sleep_writes_nothing(make_engine, n
     assert time.monotonic() - started < STEP_TIMEOUT_S / 2  # nothing was writing: nothing to wait for
     before = {name: layer.clone() for name, layer in consumer.layers.items()}
     producer.produce("p", prompt, wait=False)
-    _wait_until(lambda: "c" in consumer.worker._failed, "the load did not end while the engine slept")
+    wait_until(lambda: "c" in consumer.worker._failed, STEP_TIMEOUT_S,
+               "the load to end while the engine slept", interval_s=0.002)
     for name, layer in consumer.layers.items():
         assert torch.equal(layer, before[name]), f"{name} written while its memory was released"
     consumer.worker.restore_kv_caches()
