@@ -169,19 +169,25 @@ def test_a_load_is_finished_only_once_its_copy_ran(make_gpu_engine, make_engine)
     assert consumer.stats["loaded_requests"] == 1 and fake.syncs["MainThread"] == 0
 
 
+def _assert_sleep_waits_for(engine: Any, fake: Any, event: Any, what: str) -> None:
+    """``unregister_kv_caches`` (sleep mode) blocks until ``event`` completes, then returns; the caches are
+    restored after."""
+    asleep = threading.Thread(target=engine.worker.unregister_kv_caches)
+    asleep.start()
+    asleep.join(0.3)
+    assert asleep.is_alive(), f"unregister_kv_caches returned while {what}"
+    fake.complete(event)
+    asleep.join(STEP_TIMEOUT_S)
+    assert not asleep.is_alive()
+    engine.worker.restore_kv_caches()
+
+
 def test_sleep_waits_for_a_load_whose_copy_has_not_run(make_gpu_engine, make_engine) -> None:
     """The sleep-mode gate is held until the copy ran, not just until it was queued."""
     producer = make_engine("kv_producer")
     consumer, fake = make_gpu_engine("kv_consumer")
     _, loaded = _start_load(producer, consumer, fake, seed=92)
-    asleep = threading.Thread(target=consumer.worker.unregister_kv_caches)
-    asleep.start()
-    asleep.join(0.3)
-    assert asleep.is_alive(), "unregister_kv_caches returned while a load's copy had not run"
-    fake.complete(loaded)
-    asleep.join(STEP_TIMEOUT_S)
-    assert not asleep.is_alive()
-    consumer.worker.restore_kv_caches()
+    _assert_sleep_waits_for(consumer, fake, loaded, "a load's copy had not run")
     consumer.run(lambda: "c" in consumer.new_reqs)
     assert consumer.new_reqs["c"].num_computed_tokens == 99  # it finished before the caches went
     assert_pages_moved(producer, consumer, "c", "p", 0, 4)
@@ -195,14 +201,7 @@ def test_sleep_waits_for_save_copies_still_reading_the_caches(make_gpu_engine) -
     producer.add("p", prompt_of(70, seed=93), max_tokens=1, params=PROXY_PARAMS)
     producer.step()
     (saved,) = fake.events_on(save_stream)
-    asleep = threading.Thread(target=producer.worker.unregister_kv_caches)
-    asleep.start()
-    asleep.join(0.3)
-    assert asleep.is_alive(), "unregister_kv_caches returned while save copies could still read the caches"
-    fake.complete(saved)
-    asleep.join(STEP_TIMEOUT_S)
-    assert not asleep.is_alive()
-    producer.worker.restore_kv_caches()
+    _assert_sleep_waits_for(producer, fake, saved, "save copies could still read the caches")
     producer.wait_saved()
     producer.assert_empty()
     assert producer.stats["saved_requests"] == 1
