@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -43,6 +43,7 @@ __all__ = [
     "StackError",
     "StackOptions",
     "default_engine_command",
+    "engine_cpu_binds",
     "free_ports",
     "open_stack",
     "redis_ping",
@@ -100,6 +101,33 @@ def redis_ping(url: str, timeout_s: float = 1.0) -> bool:
         return False
     finally:
         store.close()
+
+
+def engine_cpu_binds(prefills: int, decodes: int, cpus: Collection[int] | None = None) -> list[str] | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for each CPU engine of one machine, prefills first: the prefills on one
+    part of ``cpus`` (default: those this process may use), the decodes on the rest, each instance on a
+    share of its part where there are enough; ``None`` with a single CPU (nothing to split).
+
+    vLLM's CPU workers pin their main thread to the first core of their list, and left to vLLM ("auto")
+    every engine on a machine takes the same list. A decode waiting for its KV steps without pause; pinned
+    to the prefill's core, it kept the prefill from running at all until it gave up waiting, so the entry
+    it waited for was written only then (docs/design.md, "CPU engines on one machine").
+    """
+    allowed = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(allowed) < 2:
+        return None
+    middle = (len(allowed) + 1) // 2  # the prefills, which compute whole prompts, get the odd core
+    return [*_shares(allowed[:middle], prefills), *_shares(allowed[middle:], decodes)]
+
+
+def _shares(cpus: list[int], count: int) -> list[str]:
+    """``count`` core lists cut from ``cpus`` (the whole of it for each, with fewer cores than lists)."""
+    if len(cpus) < count:
+        return [",".join(map(str, cpus))] * count
+    size = len(cpus) // count
+    cuts = [cpus[i * size:(i + 1) * size] for i in range(count)]
+    cuts[-1] += cpus[count * size:]  # what does not divide evenly goes to the last
+    return [",".join(map(str, cut)) for cut in cuts]
 
 
 # -- the stack's parts ----------------------------------------------------------------------------
@@ -241,6 +269,7 @@ def _engine_spec(
     redis_url: str | None,
     metrics_dir: Path,
     tiny: bool,
+    cpu_bind: str | None = None,
 ) -> ChildSpec:
     extra: dict[str, Any] = {"namespace": options.namespace}
     if redis_url is not None:
@@ -275,6 +304,8 @@ def _engine_spec(
     }
     if tiny:
         env["HF_HUB_OFFLINE"] = "1"
+    if cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
     url = f"http://{options.host}:{port}"
     return ChildSpec(role, argv, url, lambda: http_ok(url + "/health"), env,
                      startup_timeout_s=options.startup_timeout_s)
@@ -350,10 +381,11 @@ def open_stack(
             _check_port_free(options.host, proxy_port)
         roles = [*_role_names("prefill", options.prefill_instances),
                  *_role_names("decode", options.decode_instances)]
+        binds = _cpu_binds(options, out)
         engines = [
             _engine_spec(role, engine_command, options, model, served_name, port, engine_redis_url,
-                         log_dir / f"metrics-{role}", tiny)
-            for role, port in zip(roles, ports, strict=True)
+                         log_dir / f"metrics-{role}", tiny, bind)
+            for role, port, bind in zip(roles, ports, binds, strict=True)
         ]
         prefill_urls = [spec.url for spec in engines[: options.prefill_instances]]
         decode_urls = [spec.url for spec in engines[options.prefill_instances :]]
@@ -373,6 +405,21 @@ def open_stack(
             in_process.close()
         if model_dir is not None:
             shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def _cpu_binds(options: StackOptions, out: TextIO) -> list[str | None]:
+    """Each engine's ``VLLM_CPU_OMP_THREADS_BIND`` (see :func:`engine_cpu_binds`); ``None`` leaves it to the
+    environment: GPU engines, a bind the user set, or a machine with one CPU (which is said)."""
+    count = options.prefill_instances + options.decode_instances
+    if os.environ.get("VLLM_TARGET_DEVICE", "cpu") != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return [None] * count
+    binds = engine_cpu_binds(options.prefill_instances, options.decode_instances)
+    if binds is None:
+        print("warning: one CPU, so the prefill and decode engines share it; a decode waiting for its KV can "
+              "keep the prefill from writing it, and then recomputes the prompt after KVREDIS_POP_TIMEOUT_S",
+              file=out, flush=True)
+        return [None] * count
+    return list(binds)
 
 
 def _role_names(role: str, count: int) -> list[str]:

@@ -27,7 +27,7 @@ from processes import (
 )
 
 from kvredis import stack as stack_module
-from kvredis.stack import StackError, StackOptions, free_ports, open_stack, redis_ping
+from kvredis.stack import StackError, StackOptions, engine_cpu_binds, free_ports, open_stack, redis_ping
 
 
 def completion_through(proxy_url: str) -> dict[str, object]:
@@ -189,12 +189,18 @@ def test_open_stack_starts_several_instances_of_each_role_behind_the_proxy(
     pytest.importorskip("fakeredis").TcpFakeServer  # noqa: B018
     pytest.importorskip("aiohttp")
     monkeypatch.setattr(stack_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(stack_module.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     options = StackOptions(model="stand-in", engine_command=fake_engine.split(), proxy_port=0,
                            log_dir=tmp_path / "logs", startup_timeout_s=BOUND_S, prefill_instances=2,
                            decode_instances=3, policy="least_outstanding")
     with open_stack(options, out=sys.stderr) as running_stack:
         roles = [role for _, role, _, _ in running_stack.supervisor.rows()]
         assert roles == ["prefill-1", "prefill-2", "decode-1", "decode-2", "decode-3", "proxy"]
+        # Each CPU engine computes on cores of its own: no decode shares one with a prefill.
+        children = running_stack.supervisor.children
+        binds = [child.spec.env.get("VLLM_CPU_OMP_THREADS_BIND") for child in children]
+        assert binds == ["0,1", "2,3", "4", "5", "6,7", None]
         assert {log.name for log in (tmp_path / "logs").glob("*.log")} == {f"{role}.log" for role in roles}
         assert len(running_stack.prefill_urls) == 2 and len(running_stack.decode_urls) == 3
         assert len({*running_stack.prefill_urls, *running_stack.decode_urls, running_stack.proxy_url}) == 6
@@ -226,3 +232,40 @@ def test_open_stack_refuses_bad_instance_options(
                            **changes)  # type: ignore[arg-type]
     with pytest.raises(StackError, match=message), open_stack(options, out=sys.stderr):
         pass
+
+
+@pytest.mark.parametrize(("prefills", "decodes", "cpus", "expected"), [
+    (1, 1, [0, 1], ["0", "1"]),
+    (1, 1, [0, 1, 2], ["0,1", "2"]),  # the prefills, which compute whole prompts, get the odd core
+    (1, 1, [4, 5, 6, 7, 0, 1, 2, 3], ["0,1,2,3", "4,5,6,7"]),
+    (2, 3, range(8), ["0,1", "2,3", "4", "5", "6,7"]),
+    (2, 2, [0, 1], ["0", "0", "1", "1"]),  # fewer cores than instances: a role's instances share its part
+    (1, 1, [3], None),  # one CPU: nothing to split
+])
+def test_engine_cpu_binds_keep_prefills_and_decodes_on_cores_of_their_own(
+    prefills: int, decodes: int, cpus: list[int], expected: list[str] | None
+) -> None:
+    binds = engine_cpu_binds(prefills, decodes, cpus)
+    assert binds == expected
+    if binds is not None:
+        cores = [set(map(int, bind.split(","))) for bind in binds]
+        assert not set.union(*cores[:prefills]) & set.union(*cores[prefills:])
+        assert set.union(*cores) == set(cpus)
+
+
+def test_the_stack_leaves_a_bind_the_user_set_and_says_when_one_cpu_cannot_be_split(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    options = StackOptions(prefill_instances=1, decode_instances=2)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    assert stack_module._cpu_binds(options, sys.stdout) == [None, None, None]
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")  # a GPU engine's workers are not bound by this variable
+    assert stack_module._cpu_binds(options, sys.stdout) == [None, None, None]
+    monkeypatch.delenv("VLLM_TARGET_DEVICE")
+    monkeypatch.setattr(stack_module.os, "sched_getaffinity", lambda pid: {0})
+    assert stack_module._cpu_binds(options, sys.stdout) == [None, None, None]
+    assert "one CPU" in capsys.readouterr().out
+    monkeypatch.setattr(stack_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert stack_module._cpu_binds(options, sys.stdout) == ["0", "1", "1"]
+    assert capsys.readouterr().out == ""

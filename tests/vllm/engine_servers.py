@@ -26,6 +26,7 @@ from conftest import BLOCK_SIZE
 from redis_servers import RedisServer, free_port, wait_until
 
 from kvredis.announcement import TRANSFER_PARAM
+from kvredis.stack import engine_cpu_binds
 from kvredis.tinymodel import prompt_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,9 +128,7 @@ def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any]
         args += ["--distributed-executor-backend", "uni"]
     if tensor_parallel > 1:
         args += ["--tensor-parallel-size", str(tensor_parallel)]
-        # vLLM's CPU workers bind their threads per NUMA node by default, and refuse more ranks than nodes;
-        # this machine has one, so each rank gets its own share of the cores ("0|1" for two on two cores).
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_shares(tensor_parallel))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(kv_config, tensor_parallel))
     with open(log, "wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                    env=env, cwd=REPO)
@@ -253,13 +252,18 @@ def kv_transfer_config(role: str, redis_url: str, namespace: str, **extra: Any) 
             "kv_connector_extra_config": {"url": redis_url, "namespace": namespace, **TEST_TIMEOUTS, **extra}}
 
 
-def _cpu_shares(ranks: int) -> str:
-    """The allowed CPUs cut into ``ranks`` groups, in VLLM_CPU_OMP_THREADS_BIND's form (``0,1|2,3``)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < ranks:
-        cpus = [cpus[i % len(cpus)] for i in range(ranks)]  # fewer CPUs than ranks: they share
-    size = len(cpus) // ranks
-    return "|".join(",".join(map(str, cpus[i * size:(i + 1) * size])) for i in range(ranks))
+def cpu_bind(kv_config: dict[str, Any] | None, tensor_parallel: int = 1) -> str:
+    """The engine's ``VLLM_CPU_OMP_THREADS_BIND``: a prefill's and a decode's cores apart, as ``kvredis up``
+    places them (:func:`kvredis.stack.engine_cpu_binds`); ``nobind`` (no pinning) for an engine without the
+    connector, and for tensor-parallel ranks, more than this machine's cores can keep apart.
+
+    vLLM's default pins every engine's worker to the same core, where a decode waiting for its KV kept the
+    prefill from ever writing it (the whole pop bound, each time it was tried)."""
+    role = (kv_config or {}).get("kv_role")
+    binds = engine_cpu_binds(1, 1)
+    if tensor_parallel > 1 or binds is None or role not in ("kv_producer", "kv_consumer"):
+        return "nobind"
+    return binds[0] if role == "kv_producer" else binds[1]
 
 
 def wait_ready(servers: list[Server], timeout_s: float) -> None:

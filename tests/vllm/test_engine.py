@@ -26,6 +26,8 @@ import torch
 from conftest import BLOCK_SIZE
 from engine_servers import (
     DECODE_TOKENS,
+    REQUEST_TIMEOUT_S,
+    TEST_TIMEOUTS,
     Disaggregated,
     Server,
     cached_tokens,
@@ -38,6 +40,7 @@ from engine_servers import (
     wait_counters,
     wait_ready,
 )
+from redis_servers import wait_until
 
 from kvredis import codec
 
@@ -140,6 +143,41 @@ def test_concurrent_requests_are_batched_and_all_loaded(deployment: Deployment) 
         assert cached_tokens(got) == len(prompt) - 1
     delta = wait_counters(deployment.decode, before, {"loaded_requests": len(prompts)})
     assert delta.get("loaded_requests") == len(prompts) and "load_failures" not in delta
+    assert deployment.stored_keys() == []
+
+
+def test_the_prefill_writes_while_a_decode_waits_for_its_entry(deployment: Deployment) -> None:
+    """A decode waiting for an entry steps without pause. The prefill keeps computing and writing meanwhile:
+    with both engines' workers pinned to the same core (vLLM's default on one machine), the waiting decode
+    kept the prefill from running until it gave up, so every entry written then came too late."""
+    held, other = prompt_of(300, seed=82), prompt_of(513, seed=83)
+    expected = [tokens_of(answer) for answer in reference_answers(deployment, [held, other])]
+    client = deployment.redis.client()
+    aside = f"{deployment.namespace}:held-aside"
+    try:
+        held_params = deployment.prefill_params(held)
+        (queue,) = deployment.entry_queues()
+        client.lmove(queue, aside, "LEFT", "RIGHT")  # the decode finds no entry and waits for one
+
+        def decode_waiting() -> bool:
+            return any(c.get("cmd") == "blpop" and "b" in c.get("flags", "") for c in client.client_list())
+
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(deployment.decode.complete, held, params=held_params)
+            wait_until(decode_waiting, START_TIMEOUT_S, "the decode to wait for the entry set aside")
+            other_params = deployment.prefill_params(other)
+            (other_queue,) = deployment.entry_queues(timeout_s=TEST_TIMEOUTS["pop_timeout_s"])
+            # Written while the decode still waits: it has not given up on the first entry.
+            assert decode_waiting() and not waiting.done()
+            client.lmove(aside, queue, "LEFT", "RIGHT")
+            decoded = waiting.result(timeout=REQUEST_TIMEOUT_S)
+        assert cached_tokens(decoded) == len(held) - 1 and tokens_of(decoded) == expected[0]
+        decoded = deployment.decode.complete(other, params=other_params)
+        assert cached_tokens(decoded) == len(other) - 1 and tokens_of(decoded) == expected[1]
+        assert other_queue != queue
+    finally:
+        client.delete(aside)
+        client.close()
     assert deployment.stored_keys() == []
 
 
