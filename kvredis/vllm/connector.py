@@ -680,10 +680,13 @@ class KVRedisConnector(KVConnectorBase_V1):
         done = time.monotonic()
         if spec.entry_id is None or done - handed_at < self.config.pop_timeout_s / 2:
             return
+        # On the CPU, the usual cause: a decode on this engine's core, spinning while it waits (README).
+        hint = ("" if self._staging is not None else "; CPU engines on one machine need cores of their own "
+                "(VLLM_CPU_OMP_THREADS_BIND), or a waiting decode can hold the prefill back")
         logger.warning("request %s: its KV reached Redis %.1f s after its prefill step (%.1f s waiting for a "
-                       "writer thread, %.1f s writing); a decode waits up to %g s (KVREDIS_POP_TIMEOUT_S)",
+                       "writer thread, %.1f s writing); a decode waits up to %g s (KVREDIS_POP_TIMEOUT_S)%s",
                        spec.req_id, done - handed_at, started - handed_at, done - started,
-                       self.config.pop_timeout_s)
+                       self.config.pop_timeout_s, hint)
 
     def _load(self, spec: TransferSpec, after: staging.Event | None = None) -> None:
         try:
