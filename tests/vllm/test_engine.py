@@ -153,11 +153,10 @@ def test_the_prefill_writes_while_a_decode_waits_for_its_entry(deployment: Deplo
     held, other = prompt_of(300, seed=82), prompt_of(513, seed=83)
     expected = [tokens_of(answer) for answer in reference_answers(deployment, [held, other])]
     client = deployment.redis.client()
-    aside = f"{deployment.namespace}:held-aside"
     try:
         held_params = deployment.prefill_params(held)
         (queue,) = deployment.entry_queues()
-        client.lmove(queue, aside, "LEFT", "RIGHT")  # the decode finds no entry and waits for one
+        client.rename(queue, queue + ":late")  # the entry is "still being written": the decode waits
 
         def decode_waiting() -> bool:
             return any(c.get("cmd") == "blpop" and "b" in c.get("flags", "") for c in client.client_list())
@@ -169,14 +168,13 @@ def test_the_prefill_writes_while_a_decode_waits_for_its_entry(deployment: Deplo
             (other_queue,) = deployment.entry_queues(timeout_s=TEST_TIMEOUTS["pop_timeout_s"])
             # Written while the decode still waits: it has not given up on the first entry.
             assert decode_waiting() and not waiting.done()
-            client.lmove(aside, queue, "LEFT", "RIGHT")
+            client.rename(queue + ":late", queue)  # the write lands; the waiting decode takes it
             decoded = waiting.result(timeout=REQUEST_TIMEOUT_S)
         assert cached_tokens(decoded) == len(held) - 1 and tokens_of(decoded) == expected[0]
         decoded = deployment.decode.complete(other, params=other_params)
         assert cached_tokens(decoded) == len(other) - 1 and tokens_of(decoded) == expected[1]
         assert other_queue != queue
     finally:
-        client.delete(aside)
         client.close()
     assert deployment.stored_keys() == []
 
