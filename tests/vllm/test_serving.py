@@ -443,8 +443,22 @@ def test_decode_preemption_while_loads_are_in_flight(serving: Serving) -> None:
         want = list(pool.map(lambda p: complete(serving, serving.reference, p, max_tokens=300), prompts))
     preempted = metric(serving.decode, "vllm:num_preemptions_total")
     before = serving.decode.counters()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda p: complete(serving, serving.proxy, p, max_tokens=300), prompts))
+    client = serving.redis.client()
+    try:
+        # Redis holds the prefill's writes and the decode's pops until all eight wait in the decode: they run
+        # there at once, however fast each engine is (one that finished before the last arrived would leave
+        # room for the rest, and nothing would be preempted).
+        client.execute_command("CLIENT", "PAUSE", 120_000, "WRITE")
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = [pool.submit(complete, serving, serving.proxy, p, max_tokens=300) for p in prompts]
+            try:
+                wait_until(lambda: metric(serving.decode, "vllm:num_requests_waiting") == len(prompts), 120,
+                           "all eight requests waiting for their KV in the decode")
+            finally:
+                client.execute_command("CLIENT", "UNPAUSE")
+            got = [answer.result() for answer in answers]
+    finally:
+        client.close()
     assert got == want
     assert metric(serving.decode, "vllm:num_preemptions_total") > preempted, "nothing was preempted"
     delta = loaded(serving, before, len(prompts))
