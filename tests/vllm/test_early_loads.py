@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
 
 import test_scheduler
+from redis_servers import wait_until
 from test_scheduler import TRANSFER_PARAM, announcement, prompt_of
 from vllm.config import SchedulerConfig
 from vllm.v1.request import RequestStatus
@@ -52,7 +53,11 @@ def test_an_announced_load_starts_while_the_batch_is_full(make_engine) -> None:
     assert consumer.connector.may_load_async(consumer.scheduler.requests["c"])
     status = consumer.scheduler.requests["c"].status
     if HAS_INFLIGHT_LOADS:
-        consumer.run(lambda: "c" in consumer.recved)  # the KV arrives while "busy" holds the only slot
+        # The load starts while "busy" holds the only slot; no step runs until it is over, so "busy" cannot
+        # finish first however slow the load thread is (stepping meanwhile raced 60 fast steps against it).
+        consumer.run(lambda: consumer.scheduler.requests["c"].status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        wait_until(lambda: "c" in consumer.worker._received, test_scheduler.STEP_TIMEOUT_S, "c's load")
+        consumer.run(lambda: "c" in consumer.recved)  # the KV arrived while "busy" held the only slot
         assert "busy" not in consumer.finished and "c" not in consumer.new_reqs
         assert consumer.stats["loaded_requests"] == 1
     else:
