@@ -18,7 +18,6 @@ import pytest
 pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
 
 import test_scheduler
-from redis_servers import wait_until
 from test_scheduler import TRANSFER_PARAM, announcement, prompt_of
 from vllm.config import SchedulerConfig
 from vllm.v1.request import RequestStatus
@@ -56,7 +55,7 @@ def test_an_announced_load_starts_while_the_batch_is_full(make_engine) -> None:
         # The load starts while "busy" holds the only slot; no step runs until it is over, so "busy" cannot
         # finish first however slow the load thread is (stepping meanwhile raced 60 fast steps against it).
         consumer.run(lambda: consumer.scheduler.requests["c"].status == RequestStatus.WAITING_FOR_REMOTE_KVS)
-        wait_until(lambda: "c" in consumer.worker._received, test_scheduler.STEP_TIMEOUT_S, "c's load")
+        consumer.wait_loaded("c")
         consumer.run(lambda: "c" in consumer.recved)  # the KV arrived while "busy" held the only slot
         assert "busy" not in consumer.finished and "c" not in consumer.new_reqs
         assert consumer.stats["loaded_requests"] == 1

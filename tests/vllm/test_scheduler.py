@@ -230,6 +230,13 @@ class Engine:
             assert time.monotonic() < deadline, "a save did not finish"
             time.sleep(0.002)
 
+    def wait_loaded(self, req_id: str) -> None:
+        """Until a load thread has finished the request's load (reported with the next step), no step run."""
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while req_id not in self.worker._received:
+            assert time.monotonic() < deadline, f"the load of {req_id} did not finish"
+            time.sleep(0.002)
+
     def wait_discarded(self) -> None:
         """Until the scheduler's and the worker's threads deleted every unused announced entry handed to
         them."""
