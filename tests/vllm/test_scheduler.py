@@ -231,9 +231,10 @@ class Engine:
             time.sleep(0.002)
 
     def wait_loaded(self, req_id: str) -> None:
-        """Until a load thread has finished the request's load (reported with the next step), no step run."""
+        """Until the request's load has finished, no step run: finished on its thread (reported with the next
+        step), or so fast that the step which started it already reported it."""
         deadline = time.monotonic() + STEP_TIMEOUT_S
-        while req_id not in self.worker._received:
+        while req_id not in self.worker._received and req_id not in self.recved:
             assert time.monotonic() < deadline, f"the load of {req_id} did not finish"
             time.sleep(0.002)
 
