@@ -56,6 +56,7 @@ from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.keys import new_entry_id
 from kvredis.vllm import KVRedisConnector
+from kvredis.vllm import connector as connector_module
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 HEADS, WIDTH = 2, 128  # the tiny model's KV heads and 2 * head_size
@@ -996,12 +997,15 @@ def test_a_decode_with_more_cache_layers_is_named_not_waited_on(make_engine, cap
 def test_a_save_late_enough_to_outlast_a_decode_is_reported(make_engine, monkeypatch, caplog) -> None:
     """An entry that reaches Redis after half the pop bound may come after its decode gave up: the producer
     says so, and how long the writer waited for a thread and for Redis; a prompt saved in time is not
-    reported."""
+    reported. The connector's clock moves only when the slow insert says so: a VM pause cannot make the
+    prompt saved in time late."""
+    clock = [1000.0]
+    monkeypatch.setattr(connector_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     producer = make_engine("kv_producer", pop_timeout_s=0.4)
     insert = producer.worker.buffer.insert
 
     def slow_insert(*args: Any, **kwargs: Any) -> str:
-        time.sleep(0.3)
+        clock[0] += 0.3
         return insert(*args, **kwargs)
 
     with caplog.at_level(logging.WARNING, logger="kvredis"):
@@ -1009,9 +1013,10 @@ def test_a_save_late_enough_to_outlast_a_decode_is_reported(make_engine, monkeyp
         monkeypatch.setattr(producer.worker.buffer, "insert", slow_insert)
         producer.produce("slow", prompt_of(70, seed=66))
     said = [r.getMessage() for r in caplog.records if "reached Redis" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("request slow: its KV reached Redis"), said
-    assert "writing); a decode waits up to 0.4 s (KVREDIS_POP_TIMEOUT_S); CPU engines on one machine need " \
-        "cores of their own (VLLM_CPU_OMP_THREADS_BIND)" in said[0], said
+    assert said == [
+        "request slow: its KV reached Redis 0.3 s after its prefill step (0.0 s waiting for a writer thread, "
+        "0.3 s writing); a decode waits up to 0.4 s (KVREDIS_POP_TIMEOUT_S); CPU engines on one machine need "
+        "cores of their own (VLLM_CPU_OMP_THREADS_BIND), or a waiting decode can hold the prefill back"], said
     producer.assert_empty()
     assert producer.stats["saved_requests"] == 2  # the entries expire unread; the fixture deletes them
 
