@@ -47,7 +47,8 @@ class Wire:
     """Pre-encoded commands on a raw socket; a reply is read as a known number of bytes."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.sock = socket.create_connection((host, port))
+        # With a timeout, a miscounted reply fails the run instead of hanging it.
+        self.sock = socket.create_connection((host, port), timeout=10.0)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buffer = memoryview(bytearray(4 << 20))
 
@@ -59,6 +60,12 @@ class Wire:
             if not received:
                 raise ConnectionError("Redis closed the connection")
             got += received
+        if got != reply_bytes or self.buffer[:1] == b"-":
+            raise RuntimeError(f"Redis answered {bytes(self.buffer[:min(got, 60)])!r}..., not the "
+                               f"{reply_bytes}-byte reply expected")
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def timed(round_trip: Callable[[], None], calls: int, repeat: int) -> float:
@@ -130,6 +137,7 @@ def main() -> None:
         client.delete(key, queue)
         buffer.close()
         client.close()
+        wire.close()
     print(f"{args.size} bytes, median ms per round trip ({args.repeat} x {args.calls}, one warm process)")
     for name, ms in results.items():
         print(f"  {name:14s} {ms:7.3f} ms")
