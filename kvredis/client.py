@@ -348,6 +348,15 @@ class RedisStore:
         return self._client("main")
 
     @property
+    def prober(self) -> Any:
+        """The client whose replies are bounded by ``lookup_timeout_s`` (lookups in vLLM's scheduler)."""
+        return self._client("probe")
+
+    def guarded(self, what: str) -> _Guard:
+        """A block whose redis-py errors become kvredis errors naming ``what`` (callers of :attr:`redis`)."""
+        return _Guard(self, what)
+
+    @property
     def _popper(self) -> Any:
         return self._client("pop")
 

@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 import redis
 import test_buffer
+import test_chunk_store
 import torch
 from redis.crc import key_slot
 from redis_servers import ClusterServers, free_port
 from test_buffer import assert_entry, identical, kv_entry, random_tensor
+from test_chunk_store import chunk_store  # noqa: F401 - the fixture
 from test_security import Certs, certs  # noqa: F401 - the fixture, for the TLS cluster
 
 from kvredis import KVRedisConnectionError, KVRedisError
@@ -36,6 +38,9 @@ MISS = [None] * 5
 # Every test of test_buffer.py that takes its Redis from ``make_buffer`` or ``real_redis_url`` runs here
 # again, with those fixtures pointing at the cluster.
 globals().update(test_buffer.redis_backed_tests())
+# And the chunk store's: a prompt's chunks spread over slots, each chunk's scripts run in its own.
+globals().update({name: test for name, test in vars(test_chunk_store).items()
+                  if name.startswith("test_") and "two_writers" not in name})
 
 
 @pytest.fixture(params=["cluster"])

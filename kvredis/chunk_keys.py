@@ -1,0 +1,141 @@
+"""Keys of block-addressed KV: a prompt cut into chunks, each named by a digest chained over its prefix.
+
+A *chunk* is a run of ``chunk_tokens`` consecutive token positions of a prompt (a multiple of the block size,
+so a chunk is whole pages); a prompt's last chunk may be shorter. Chunk ``i`` covers positions
+``i * chunk_tokens`` up to the next boundary or the prompt's end. Its digest is chained::
+
+    digest[0] = blake2b(seed,          start=0,  count, tokens[0:count])
+    digest[i] = blake2b(digest[i - 1], start=s,  count, tokens[s:s + count])
+
+where the *seed* covers the request's context digest (LoRA adapter, multimodal inputs, ``cache_salt``:
+:func:`kvredis.keys.context_digest`). The engine's identity (model, KV dtype, page layout, block size, rank)
+is the key prefix (:class:`kvredis.keys.KeySpace`), as for entries. So a chunk's key names exactly one
+prefix: two keys are equal only when the engine, the context and every token from the prompt's first to
+the chunk's last agree, and a chunk's position and length are part of what its key names. A short last
+chunk is never taken for a full one: its count is hashed, and no full chunk has that count.
+
+Keys carry their digest as a Redis Cluster hash tag: a chunk and its holders' set share a slot, and the
+chunks of one prompt spread over the cluster (they are shared by every prompt with that prefix).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from kvredis.keys import _token_view, check_digest
+
+_DIGEST_BYTES = 16
+_CHUNK_HASH = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-chunk")  # copied, never updated
+_SEED_HASH = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-chseed")
+
+
+def chunk_seed(context: str = "") -> str:
+    """The digest chunk 0 chains from: covers the request's context digest (``""``: none)."""
+    seed = _SEED_HASH.copy()
+    if context:
+        seed.update(check_digest(context).encode())
+    return seed.hexdigest()
+
+
+def chain(parent: str, start: int, tokens: memoryview) -> str:
+    """The digest of the chunk at position ``start`` holding ``tokens`` (int64 view), after ``parent``."""
+    hasher = _CHUNK_HASH.copy()
+    hasher.update(bytes.fromhex(parent))
+    hasher.update(start.to_bytes(8, "little"))
+    hasher.update(len(tokens).to_bytes(8, "little"))
+    hasher.update(tokens)
+    return hasher.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkPlan:
+    """A prompt cut into chunks of ``chunk_tokens`` positions, with each chunk's chained digest."""
+
+    chunk_tokens: int
+    tokens: memoryview  # the prompt's token IDs, int64 (format "q")
+    seed: str
+
+    @classmethod
+    def of(cls, input_tokens: Any, chunk_tokens: int, context: str = "") -> ChunkPlan:
+        """Plan ``input_tokens`` (a list, tuple, array or integer tensor) under ``context``."""
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        return cls(chunk_tokens, _token_view(input_tokens), chunk_seed(context))
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions in the prompt."""
+        return len(self.tokens)
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks covering the whole prompt, the last one short if it does not fill up."""
+        return -(-self.num_tokens // self.chunk_tokens)
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Positions ``start..stop-1`` of chunk ``index``."""
+        if not 0 <= index < self.num_chunks:
+            raise IndexError(f"chunk {index} of a {self.num_chunks}-chunk prompt")
+        start = index * self.chunk_tokens
+        return start, min(start + self.chunk_tokens, self.num_tokens)
+
+    def is_full(self, index: int) -> bool:
+        """Whether chunk ``index`` holds ``chunk_tokens`` positions (only the last may not)."""
+        start, stop = self.span(index)
+        return stop - start == self.chunk_tokens
+
+    def covering(self, start: int, stop: int) -> range:
+        """The chunks holding positions ``start..stop-1`` (a chunk holding any of them counts whole)."""
+        if stop <= start:
+            return range(0)
+        if start < 0 or stop > self.num_tokens:
+            raise ValueError(f"positions {start}..{stop - 1} outside a {self.num_tokens}-token prompt")
+        return range(start // self.chunk_tokens, (stop - 1) // self.chunk_tokens + 1)
+
+    def chunk_tokens_of(self, index: int) -> memoryview:
+        """The token IDs of chunk ``index`` (an int64 view)."""
+        start, stop = self.span(index)
+        return self.tokens[start:stop]
+
+    @cached_property
+    def digests(self) -> tuple[str, ...]:
+        """Every chunk's digest, in order (computed once: a prompt's chain is hashed in one pass)."""
+        digests: list[str] = []
+        parent = self.seed
+        for index in range(self.num_chunks):
+            start, _ = self.span(index)
+            parent = chain(parent, start, self.chunk_tokens_of(index))
+            digests.append(parent)
+        return tuple(digests)
+
+    def parent(self, index: int) -> str:
+        """The digest chunk ``index`` chains from (the seed for chunk 0)."""
+        return self.seed if index == 0 else self.digests[index - 1]
+
+
+@dataclass(frozen=True)
+class ChunkKeys:
+    """The Redis keys of chunks under one key space prefix (``namespace:identity``)."""
+
+    prefix: str
+
+    def chunk(self, digest: str) -> str:
+        """The key holding the chunk (one self-describing value: header, tokens and pages)."""
+        return f"{self.prefix}:c:{{{digest}}}"
+
+    def holders(self, digest: str) -> str:
+        """The set of the transfers still to read the chunk (transfer mode), in the chunk's slot."""
+        return f"{self.prefix}:c:{{{digest}}}:h"
+
+    def chunks(self, digests: Sequence[str]) -> list[str]:
+        """:meth:`chunk` of each digest."""
+        return [self.chunk(digest) for digest in digests]
+
+    @property
+    def pattern(self) -> str:
+        """A SCAN pattern for every chunk key (and holders' set) under this prefix."""
+        return f"{self.prefix}:c:*"
