@@ -1,0 +1,228 @@
+"""One prompt's KV from a prefill to a decode through the chunk store: save what Redis lacks, take what the
+decode lacks, release what nobody will read.
+
+A **save** (the producer's writer thread) learns in one round trip which of the prompt's chunks Redis holds
+already, holding those for the transfer, and writes the others (write-if-absent, held too). With a transfer
+id (an announced transfer) it then pushes the transfer's *record*, a small blob naming the chunks it holds,
+onto a list of its own: the record lands last, so it says "every chunk of this transfer is in Redis".
+
+A **take** (the decode's load thread) waits for that record with a blocking pop (bounded by the pop
+timeout: a decode that arrives before the write ends waits for it), checks that it names the chunks of the
+decode's own prompt, and reads only the chunks covering the positions the decode lacks (the first of them
+whole, even where the decode's prefix cache holds part of it). What it returns ends at the first chunk
+that is missing or fails a check: the decode computes from there. Then the transfer's holds are released,
+and chunks nobody else holds are deleted. Without a transfer id (``store_all_prompts``), a take reads the
+leading chunks that are present, and deletes them.
+
+A transfer nobody will take (the decode computed the prompt, the request was aborted, the decode never got
+it) is **discarded**: its record is taken (waiting for it, since the prefill may still be writing) and its
+holds released.
+
+Keys: the chunks and their holders' sets (:mod:`kvredis.chunk_keys`), and ``<prefix>:t:{<transfer id>}``
+for the record. Every key has the TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from kvredis import codec
+from kvredis.chunk_keys import ChunkPlan
+from kvredis.chunk_store import ChunkRead, ChunkStore, PageFormat
+from kvredis.client import RedisStore, WrongTypeError
+from kvredis.errors import CodecError, KVRedisError
+from kvredis.keys import check_entry_id
+
+logger = logging.getLogger("kvredis.transfer")
+
+RECORD_KIND = "transfer"
+_MAX_RECORD_BYTES = 1 << 20  # 16 bytes a chunk: 65,536 chunks, far past any context length
+
+
+@dataclass
+class Saved:
+    """What a save did: chunks written, chunks found present (and so not written), bytes written."""
+
+    written: int = 0
+    present: int = 0
+    nbytes: int = 0
+
+
+@dataclass
+class Taken:
+    """What a take got: the pages of chunks ``first..`` in order (each ``[layers, pages, ...]``), ending at
+    the first chunk that could not be read, and why nothing more (``"hit"``: everything asked for)."""
+
+    first: int
+    chunks: list[torch.Tensor] = field(default_factory=list)
+    cause: str = "hit"
+    nbytes: int = 0
+
+    def stop(self, plan: ChunkPlan) -> int:
+        """The position up to which the pages taken hold the prompt's KV."""
+        if not self.chunks:
+            return plan.span(self.first)[0] if self.first < plan.num_chunks else plan.num_tokens
+        return plan.span(self.first + len(self.chunks) - 1)[1]
+
+
+class Transfers:
+    """Saves, takes and discards of prompts' KV under one key space (namespace and engine identity)."""
+
+    def __init__(self, store: RedisStore, prefix: str, *, chunk_tokens: int, block_size: int, ttl_ms: int,
+                 pop_timeout_s: float, max_chunk_bytes: int, checksum: bool = True) -> None:
+        if chunk_tokens <= 0 or chunk_tokens % block_size:
+            raise ValueError(f"chunk_tokens {chunk_tokens} is not a positive multiple of the block size "
+                             f"{block_size}")
+        self.store = store
+        self.prefix = prefix
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self.ttl_ms = max(1, int(ttl_ms))
+        self.pop_timeout_s = pop_timeout_s
+        self.chunks = ChunkStore(store, prefix, ttl_ms=ttl_ms, block_size=block_size,
+                                 max_chunk_bytes=max_chunk_bytes, checksum=checksum)
+
+    def plan(self, tokens: list[int], context: str = "") -> ChunkPlan:
+        """The prompt's chunks under this store's chunk length."""
+        return ChunkPlan.of(tokens, self.chunk_tokens, context)
+
+    def record_key(self, transfer_id: str, prefix: str | None = None) -> str:
+        """The list holding transfer ``transfer_id``'s record (under another rank's ``prefix`` if given)."""
+        return f"{prefix or self.prefix}:t:{{{check_entry_id(transfer_id)}}}"
+
+    # -- the producer --------------------------------------------------------------------------------
+
+    def save(self, plan: ChunkPlan, pages: torch.Tensor, *, transfer_id: str | None = None,
+             pages_per_block: int = 1) -> Saved:
+        """Store the prompt's pages (``[layers, kernel pages of every block of the prompt, ...]``): only the
+        chunks Redis lacks are written; with ``transfer_id`` every chunk is held for it and the record is
+        pushed last."""
+        per_chunk = self.chunk_tokens // self.block_size * pages_per_block
+        expected = -(-plan.num_tokens // self.block_size) * pages_per_block
+        if pages.dim() < 2 or pages.shape[1] != expected:
+            raise KVRedisError(f"a {plan.num_tokens}-token prompt has {expected} pages, got "
+                               f"{tuple(pages.shape)}")
+        holder = transfer_id
+        present = self.chunks.present(plan.digests, holder=holder)
+        missing = [index for index, there in enumerate(present) if not there]
+        chunks = [(index, pages[:, index * per_chunk:(index + 1) * per_chunk]) for index in missing]
+        try:
+            written = self.chunks.write(plan, chunks, holder=holder)
+            nbytes = sum(int(p.numel()) * p.element_size() for (_, p), w in zip(chunks, written, strict=True)
+                         if w)
+            if transfer_id is not None:
+                self._push_record(plan, transfer_id)
+        except BaseException:
+            if transfer_id is not None:
+                self._release_quietly(plan.digests, transfer_id)
+            raise
+        return Saved(sum(written), len(present) - len(missing) + (len(written) - sum(written)), nbytes)
+
+    def _push_record(self, plan: ChunkPlan, transfer_id: str) -> None:
+        digests = torch.frombuffer(bytearray(b"".join(bytes.fromhex(d) for d in plan.digests)),
+                                   dtype=torch.uint8)
+        meta = {"kind": RECORD_KIND, "space": self.prefix, "id": transfer_id, "tokens": plan.num_tokens,
+                "chunk_tokens": self.chunk_tokens}
+        record = codec.encode([digests], meta).to_bytes()
+        self.store.push_record(self.record_key(transfer_id), record, self.ttl_ms)
+
+    # -- the consumer --------------------------------------------------------------------------------
+
+    def take(self, plan: ChunkPlan, start: int, stop: int, page_format: PageFormat, *,
+             transfer_id: str | None = None) -> Taken:
+        """The pages of the chunks covering positions ``start..stop-1``, waiting up to the pop timeout for
+        the transfer's record when it has an id; then the transfer's holds are released (with no id, the
+        chunks read are deleted)."""
+        indexes = plan.covering(start, stop)
+        held: tuple[str, ...] = ()
+        if transfer_id is not None:
+            cause, held = self._take_record(plan, transfer_id)
+            if cause != "hit":
+                return Taken(indexes.start if indexes else 0, cause=cause)
+        try:
+            return self._read_leading(plan, indexes, page_format)
+        finally:
+            done = held if transfer_id is not None else tuple(plan.digests[i] for i in indexes)
+            self._release_quietly(done, transfer_id or _NOBODY)
+
+    def _take_record(self, plan: ChunkPlan, transfer_id: str) -> tuple[str, tuple[str, ...]]:
+        """Why the transfer's record does not fit ``plan`` (or ``"hit"``), and the chunks it holds."""
+        queue = self.record_key(transfer_id)
+        try:
+            record = self.store.pop_record(queue, self.pop_timeout_s)
+        except WrongTypeError:
+            self.chunks.delete_keys([queue])
+            return "foreign", ()
+        if record is None:
+            return "absent", ()
+        try:
+            held = self._record_digests(record, transfer_id)
+        except CodecError as exc:
+            logger.warning("dropped the unreadable record of transfer %s: %s", transfer_id, exc)
+            return "corrupt", ()
+        if held != plan.digests:
+            # Another prompt's record under this id: release what it holds all the same.
+            self._release_quietly(held, transfer_id)
+            return "foreign", ()
+        return "hit", held
+
+    def _record_digests(self, record: bytes | bytearray, transfer_id: str,
+                        space: str | None = None) -> tuple[str, ...]:
+        """The chunk digests a transfer's record names, once checked as written for ``space``."""
+        tensors, meta = codec.decode(record, max_payload_bytes=_MAX_RECORD_BYTES)
+        if (meta.get("kind") != RECORD_KIND or meta.get("space") != (space or self.prefix)
+                or meta.get("id") != transfer_id
+                or len(tensors) != 1 or tensors[0] is None or tensors[0].dtype != torch.uint8
+                or tensors[0].dim() != 1 or tensors[0].numel() % 16):
+            raise CodecError(f"not a transfer record of {self.prefix} for {transfer_id}: {meta!r}")
+        raw = codec.tensor_bytes(tensors[0]).tobytes()
+        return tuple(raw[i:i + 16].hex() for i in range(0, len(raw), 16))
+
+    def _read_leading(self, plan: ChunkPlan, indexes: range, page_format: PageFormat) -> Taken:
+        taken = Taken(indexes.start if indexes else 0)
+        reads: list[ChunkRead] = self.chunks.read(plan, list(indexes), page_format)
+        for read in reads:
+            if read.pages is None:
+                taken.cause = read.cause
+                break
+            taken.chunks.append(read.pages)
+            taken.nbytes += read.nbytes
+        return taken
+
+    # -- nobody will take it ----------------------------------------------------------------------------
+
+    def discard(self, transfer_id: str, *, wait_s: float = 0.0, prefix: str | None = None) -> bool:
+        """Release transfer ``transfer_id`` unread (its record taken, waiting up to ``wait_s`` for it: the
+        prefill may still be writing); whether there was one. ``prefix``: another rank's shard."""
+        queue = self.record_key(transfer_id, prefix)
+        try:
+            record = self.store.pop_record(queue, wait_s)
+        except WrongTypeError:
+            self.chunks.delete_keys([queue])
+            return False
+        if record is None:
+            return False
+        space = prefix or self.prefix
+        try:
+            held = self._record_digests(record, transfer_id, space)
+        except CodecError as exc:
+            logger.warning("discarded an unreadable record of transfer %s (its chunks expire with their "
+                           "TTL): %s", transfer_id, exc)
+            return True
+        chunks = self.chunks if space == self.prefix else self.chunks.under(space)
+        chunks.release(held, transfer_id)
+        return True
+
+    def _release_quietly(self, digests: tuple[str, ...] | list[str], holder: str) -> None:
+        try:
+            self.chunks.release(list(digests), holder)
+        except KVRedisError as exc:
+            logger.warning("could not release %d chunks (they expire with their TTL): %s", len(digests), exc)
+
+
+_NOBODY = "0" * 16
+"""The holder a take without a transfer id releases as: it holds nothing, so chunks nobody holds go."""
+

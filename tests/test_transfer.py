@@ -1,0 +1,181 @@
+"""Transfers over the chunk store: a prefill saves what Redis lacks, a decode takes what it lacks, and nothing
+is left once every transfer was taken or discarded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvredis.buffer import RedisLookupBuffer
+from kvredis.chunk_store import PageFormat
+from kvredis.keys import new_entry_id
+from kvredis.transfer import Transfers
+
+BLOCK = 16
+CHUNK = 32
+FORMAT = PageFormat(torch.float32, layers=2, page_shape=(2, BLOCK, 4))
+
+
+@pytest.fixture
+def make_transfers(make_buffer: Callable[..., RedisLookupBuffer]) -> Callable[..., Transfers]:
+    def make(pop_timeout_s: float = 2.0, prefix: str | None = None) -> Transfers:
+        buffer = make_buffer(pop_timeout_s=pop_timeout_s)
+        return Transfers(buffer.store, prefix or buffer.keyspace.prefix, chunk_tokens=CHUNK, block_size=BLOCK,
+                         ttl_ms=60_000, pop_timeout_s=pop_timeout_s, max_chunk_bytes=1 << 20)
+    return make
+
+
+def prompt_pages(num_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Pages for every block of a prompt whose values name their block (so a misplaced chunk shows)."""
+    blocks = -(-num_tokens // BLOCK)
+    pages = torch.arange(blocks, dtype=torch.float32).reshape(1, blocks, 1, 1, 1) + 1000 * seed
+    return pages.expand(FORMAT.layers, blocks, *FORMAT.page_shape).contiguous()
+
+
+def keys_left(transfers: Transfers) -> list[str]:
+    return list(transfers.store.scan(f"{transfers.prefix}:*"))
+
+
+def test_a_decode_takes_the_chunks_it_lacks_and_nothing_is_left(make_transfers) -> None:
+    transfers = make_transfers()
+    tokens = list(range(100))
+    plan = transfers.plan(tokens)
+    transfer = new_entry_id()
+    saved = transfers.save(plan, prompt_pages(100), transfer_id=transfer)
+    assert (saved.written, saved.present) == (4, 0)
+    # The decode's prefix cache holds 48 positions: chunks 1-3 are read, chunk 1 whole.
+    taken = transfers.take(plan, 48, 99, FORMAT, transfer_id=transfer)
+    assert (taken.cause, taken.first, len(taken.chunks)) == ("hit", 1, 3)
+    assert taken.stop(plan) == 100
+    got = torch.cat(taken.chunks, dim=1)
+    assert torch.equal(got, prompt_pages(100)[:, 2:])
+    chunk_bytes = 2 * FORMAT.layers * 2 * BLOCK * 4 * 4
+    lacked_bytes = (99 - 48) / BLOCK * chunk_bytes / 2
+    assert sum(c.numel() * 4 for c in taken.chunks) <= lacked_bytes + chunk_bytes
+    assert keys_left(transfers) == []
+
+
+def test_the_next_turn_writes_only_its_new_chunks(make_transfers) -> None:
+    transfers = make_transfers()
+    first = transfers.plan(list(range(64)))
+    transfers.save(first, prompt_pages(64), transfer_id=(one := new_entry_id()))
+    second = transfers.plan([*range(64), *range(900, 950)])
+    saved = transfers.save(second, prompt_pages(114, seed=1), transfer_id=(two := new_entry_id()))
+    assert (saved.written, saved.present) == (2, 2)
+    # Both transfers are in flight: the first decode's take must not delete what the second needs.
+    assert transfers.take(first, 0, 63, FORMAT, transfer_id=one).cause == "hit"
+    taken = transfers.take(second, 0, 113, FORMAT, transfer_id=two)
+    assert taken.cause == "hit" and len(taken.chunks) == 4
+    assert torch.equal(taken.chunks[0], prompt_pages(64)[:, :2])  # the first prefill's copy
+    assert keys_left(transfers) == []
+
+
+def test_a_decode_that_arrives_first_waits_for_the_record(make_transfers) -> None:
+    transfers = make_transfers(pop_timeout_s=30.0)
+    plan = transfers.plan(list(range(40)))
+    transfer = new_entry_id()
+    writer = threading.Timer(0.3, lambda: transfers.save(plan, prompt_pages(40), transfer_id=transfer))
+    writer.start()
+    try:
+        started = time.monotonic()
+        taken = transfers.take(plan, 0, 39, FORMAT, transfer_id=transfer)
+    finally:
+        writer.join(timeout=30)
+    assert taken.cause == "hit" and time.monotonic() - started < 30
+    assert keys_left(transfers) == []
+
+
+def test_a_chunk_gone_before_the_decode_ends_what_it_takes(make_transfers) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(128)))
+    transfer = new_entry_id()
+    transfers.save(plan, prompt_pages(128), transfer_id=transfer)
+    transfers.store.delete([transfers.chunks.keys.chunk(plan.digests[2])])  # evicted
+    taken = transfers.take(plan, 0, 127, FORMAT, transfer_id=transfer)
+    assert (taken.cause, len(taken.chunks), taken.stop(plan)) == ("absent", 2, 64)
+    assert keys_left(transfers) == []  # the chunk after the hole was released too
+
+
+def test_no_record_within_the_bound_is_absent(make_transfers) -> None:
+    transfers = make_transfers(pop_timeout_s=0.2)
+    plan = transfers.plan(list(range(40)))
+    taken = transfers.take(plan, 0, 39, FORMAT, transfer_id=new_entry_id())
+    assert (taken.cause, taken.chunks) == ("absent", [])
+
+
+def test_a_record_of_another_prompt_is_foreign_and_released(make_transfers) -> None:
+    transfers = make_transfers()
+    transfer = new_entry_id()
+    transfers.save(transfers.plan(list(range(64))), prompt_pages(64), transfer_id=transfer)
+    taken = transfers.take(transfers.plan(list(range(1, 65))), 0, 63, FORMAT, transfer_id=transfer)
+    assert taken.cause == "foreign"
+    assert keys_left(transfers) == []
+
+
+def test_a_corrupt_record_is_dropped(make_transfers) -> None:
+    transfers = make_transfers()
+    transfer = new_entry_id()
+    transfers.store.push_record(transfers.record_key(transfer), b"KVR\x02garbage", 60_000)
+    taken = transfers.take(transfers.plan(list(range(40))), 0, 39, FORMAT, transfer_id=transfer)
+    assert taken.cause == "corrupt"
+
+
+def test_a_discarded_transfer_leaves_nothing(make_transfers) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(70)))
+    transfer = new_entry_id()
+    transfers.save(plan, prompt_pages(70), transfer_id=transfer)
+    assert transfers.discard(transfer)
+    assert keys_left(transfers) == []
+    assert not transfers.discard(transfer)
+
+
+def test_a_discard_waits_for_a_save_still_under_way(make_transfers) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(70)))
+    transfer = new_entry_id()
+    writer = threading.Timer(0.3, lambda: transfers.save(plan, prompt_pages(70), transfer_id=transfer))
+    writer.start()
+    try:
+        assert transfers.discard(transfer, wait_s=30)
+    finally:
+        writer.join(timeout=30)
+    assert keys_left(transfers) == []
+
+
+def test_another_ranks_transfer_is_discarded_by_its_prefix(make_transfers) -> None:
+    rank0 = make_transfers()
+    rank1 = make_transfers(prefix=rank0.prefix[:-1] + ("0" if rank0.prefix[-1] != "0" else "1"))
+    plan = rank1.plan(list(range(40)))
+    transfer = new_entry_id()
+    rank1.save(plan, prompt_pages(40), transfer_id=transfer)
+    assert rank0.discard(transfer, prefix=rank1.prefix)
+    assert keys_left(rank1) == []
+
+
+def test_an_unannounced_save_is_taken_by_any_decode_and_deleted(make_transfers) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(64)))
+    transfers.save(plan, prompt_pages(64))
+    assert transfers.chunks.stored_prefix(plan.digests) == 2
+    taken = transfers.take(plan, 0, 63, FORMAT)
+    assert taken.cause == "hit" and len(taken.chunks) == 2
+    assert keys_left(transfers) == []
+
+
+def test_pages_that_do_not_cover_the_prompt_are_refused(make_transfers) -> None:
+    transfers = make_transfers()
+    with pytest.raises(Exception, match="pages"):
+        transfers.save(transfers.plan(list(range(64))), prompt_pages(40), transfer_id=new_entry_id())
+    assert keys_left(transfers) == []
+
+
+def test_a_chunk_length_that_is_not_whole_blocks_is_refused(make_buffer) -> None:
+    buffer = make_buffer()
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=40, block_size=BLOCK, ttl_ms=1000,
+                  pop_timeout_s=1, max_chunk_bytes=1 << 20)
