@@ -214,6 +214,15 @@ def _chunk_size(value: Any) -> int:
     return number
 
 
+def _chunk_tokens(value: Any) -> int:
+    if isinstance(value, bool) or not str(value).strip().isdigit():
+        raise ValueError("must be a whole number of tokens")
+    number = int(str(value).strip())
+    if not 16 <= number <= 65536:
+        raise ValueError("must be between 16 and 65536 tokens")
+    return number
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -266,6 +275,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Longest a reader waits for an entry that is not there yet (blocking pop)."),
     Setting("chunk_bytes", _chunk_size, 1 << 20,
             "Payloads larger than this are split into pieces of this size (4 KiB-256 MiB; `1MiB` works)."),
+    Setting("chunk_tokens", _chunk_tokens, 256,
+            "Prompt positions a stored KV chunk covers (rounded up to whole KV blocks): a decode reads and a "
+            "prefill writes whole chunks, and prompts share the chunks of a common prefix."),
     Setting("inflight_bytes", _size, 4 << 20,
             "Bytes of pieces a reader keeps requested ahead (deeper read pipelines slow down)."),
     Setting("write_batch_bytes", _size, 16 << 20,
@@ -334,6 +346,7 @@ class KVRedisConfig:
     ttl_s: float = 300.0
     pop_timeout_s: float = 5.0
     chunk_bytes: int = 1 << 20
+    chunk_tokens: int = 256
     inflight_bytes: int = 4 << 20
     write_batch_bytes: int = 16 << 20
     max_entry_bytes: int = 8 << 30

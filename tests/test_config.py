@@ -19,6 +19,7 @@ EXPECTED_DEFAULTS = {
     "ttl_s": 300.0,
     "pop_timeout_s": 5.0,
     "chunk_bytes": 1 << 20,
+    "chunk_tokens": 256,
     "inflight_bytes": 4 << 20,
     "write_batch_bytes": 16 << 20,
     "max_entry_bytes": 8 << 30,
@@ -541,3 +542,14 @@ def test_readme_defaults_match_settings() -> None:
         if documented != setting.default:
             wrong.append((setting.env, text, setting.default))
     assert not wrong, f"README.md defaults disagree with SETTINGS (variable, README, actual): {wrong}"
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("16", 16), (" 512 ", 512), (1024, 1024)])
+def test_chunk_tokens_are_read_as_a_count(raw: object, expected: int) -> None:
+    assert KVRedisConfig.from_env({}, {"chunk_tokens": raw}).chunk_tokens == expected
+
+
+@pytest.mark.parametrize("raw", ["0", "8", "1e3", "256.5", "-256", "70000", True])
+def test_a_chunk_length_out_of_range_is_refused(raw: object) -> None:
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        KVRedisConfig.from_env({}, {"chunk_tokens": raw})
