@@ -28,7 +28,7 @@ TRANSFER_PARAM = "kvredis"
 ENGINE_FIELDS = {
     "namespace": "namespace", "model": "model", "kv_dtype": "KV dtype", "layout": "page layout",
     "block_size": "block size", "tp_size": "tensor-parallel size", "format_version": "entry format",
-    "weights": "model weights and settings", "layers": "KV cache layers",
+    "weights": "model weights and settings", "layers": "KV cache layers", "chunk_tokens": "chunk length",
 }
 """The fields an announcement carries about the producer's engine, and how a warning names each."""
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1  # of the key layout (in every key); blobs carry their own, codec.FORMAT_VERSION
+FORMAT_VERSION = 2  # of the key layout, in every key prefix (2: prompts as chunks); blobs have their own
 _DIGEST_BYTES = 16  # 128 bits: collisions are out of reach, and entries re-check their tokens anyway.
 _CONTEXT = re.compile(rf"\A[0-9a-f]{{{2 * _DIGEST_BYTES}}}\Z")
 _ENTRY_ID = re.compile(r"\A[0-9a-f]{16}\Z")

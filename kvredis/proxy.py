@@ -31,9 +31,10 @@ import aiohttp
 from aiohttp import hdrs, web
 
 from kvredis.announcement import MalformedAnnouncement, read_announcement
-from kvredis.buffer import RedisLookupBuffer
+from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
+from kvredis.transfer import discard_transfer
 
 logger = logging.getLogger("kvredis.proxy")
 
@@ -179,11 +180,11 @@ def _upstream_errors(role: str, url: str, answer_timeout_s: float) -> Iterator[N
 
 
 class _UnusedEntries:
-    """Deletes announced entries whose decode never got the request, on threads of its own."""
+    """Releases announced transfers whose decode never got the request, on threads of its own."""
 
     def __init__(self, config: KVRedisConfig | None) -> None:
         self._config = config
-        self._buffer: RedisLookupBuffer | None = None
+        self._store: RedisStore | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     def open(self) -> None:
@@ -192,7 +193,7 @@ class _UnusedEntries:
             logger.info("no Redis given (--redis-url or KVREDIS_URL): an entry whose decode fails is left "
                         "to its TTL")
             return
-        self._buffer = RedisLookupBuffer(self._config)
+        self._store = RedisStore(self._config)
         # Threads of their own: a delete waits up to the pop bound for an entry still being written, and
         # must not hold up the event loop's default executor, where aiohttp resolves upstream names.
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvredis-proxy-discard")
@@ -201,29 +202,27 @@ class _UnusedEntries:
         """Drop deletions not yet started and close the connections (what is left expires with its TTL)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._buffer is not None:
-            self._buffer.close()
+        if self._store is not None:
+            self._store.close()
 
     def release(self, kv_transfer_params: Any, request_id: str) -> None:
-        """Delete, in the background, the entry ``kv_transfer_params`` announce (every rank's shard)."""
-        if self._buffer is None or self._pool is None:
+        """Release, in the background, the transfer ``kv_transfer_params`` announce (every rank's shard)."""
+        if self._store is None or self._pool is None:
             return
         try:
             announced = read_announcement(kv_transfer_params)
         except MalformedAnnouncement:
             return
-        if announced is None or announced.entry_id is None or announced.digest is None:
+        if announced is None or announced.entry_id is None:
             return
         for shard in announced.shards or ():
-            self._pool.submit(self._discard, self._buffer, request_id, announced.digest, announced.entry_id,
-                              shard)
+            self._pool.submit(self._discard, self._store, request_id, announced.entry_id, shard)
 
-    def _discard(self, buffer: RedisLookupBuffer, request_id: str, digest: str, entry_id: str,
-                 shard: str) -> None:
+    def _discard(self, store: RedisStore, request_id: str, entry_id: str, shard: str) -> None:
         assert self._config is not None
         try:
-            # The prefill announces its entry before its writer is done: wait for it as a decode would.
-            deleted = buffer.discard_entry(digest, entry_id, wait_s=self._config.pop_timeout_s, prefix=shard)
+            # The prefill announces its transfer before its writer is done: wait for it as a decode would.
+            deleted = discard_transfer(store, shard, entry_id, wait_s=self._config.pop_timeout_s)
         except Exception as exc:  # a background thread: say so, or it vanishes in its future
             logger.warning("request %s: could not delete entry %s, which its decode never took (%s); it "
                            "expires with its TTL", request_id, entry_id, exc)

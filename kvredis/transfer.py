@@ -89,9 +89,9 @@ class Transfers:
         """The prompt's chunks under this store's chunk length."""
         return ChunkPlan.of(tokens, self.chunk_tokens, context)
 
-    def record_key(self, transfer_id: str, prefix: str | None = None) -> str:
-        """The list holding transfer ``transfer_id``'s record (under another rank's ``prefix`` if given)."""
-        return f"{prefix or self.prefix}:t:{{{check_entry_id(transfer_id)}}}"
+    def record_key(self, transfer_id: str) -> str:
+        """The list holding transfer ``transfer_id``'s record."""
+        return record_key(self.prefix, transfer_id)
 
     # -- the producer --------------------------------------------------------------------------------
 
@@ -159,7 +159,7 @@ class Transfers:
         if record is None:
             return "absent", ()
         try:
-            held = self._record_digests(record, transfer_id)
+            held = _record_digests(record, transfer_id, self.prefix)
         except CodecError as exc:
             logger.warning("dropped the unreadable record of transfer %s: %s", transfer_id, exc)
             return "corrupt", ()
@@ -168,18 +168,6 @@ class Transfers:
             self._release_quietly(held, transfer_id)
             return "foreign", ()
         return "hit", held
-
-    def _record_digests(self, record: bytes | bytearray, transfer_id: str,
-                        space: str | None = None) -> tuple[str, ...]:
-        """The chunk digests a transfer's record names, once checked as written for ``space``."""
-        tensors, meta = codec.decode(record, max_payload_bytes=_MAX_RECORD_BYTES)
-        if (meta.get("kind") != RECORD_KIND or meta.get("space") != (space or self.prefix)
-                or meta.get("id") != transfer_id
-                or len(tensors) != 1 or tensors[0] is None or tensors[0].dtype != torch.uint8
-                or tensors[0].dim() != 1 or tensors[0].numel() % 16):
-            raise CodecError(f"not a transfer record of {self.prefix} for {transfer_id}: {meta!r}")
-        raw = codec.tensor_bytes(tensors[0]).tobytes()
-        return tuple(raw[i:i + 16].hex() for i in range(0, len(raw), 16))
 
     def _read_leading(self, plan: ChunkPlan, indexes: range, page_format: PageFormat) -> Taken:
         taken = Taken(indexes.start if indexes else 0)
@@ -195,26 +183,8 @@ class Transfers:
     # -- nobody will take it ----------------------------------------------------------------------------
 
     def discard(self, transfer_id: str, *, wait_s: float = 0.0, prefix: str | None = None) -> bool:
-        """Release transfer ``transfer_id`` unread (its record taken, waiting up to ``wait_s`` for it: the
-        prefill may still be writing); whether there was one. ``prefix``: another rank's shard."""
-        queue = self.record_key(transfer_id, prefix)
-        try:
-            record = self.store.pop_record(queue, wait_s)
-        except WrongTypeError:
-            self.chunks.delete_keys([queue])
-            return False
-        if record is None:
-            return False
-        space = prefix or self.prefix
-        try:
-            held = self._record_digests(record, transfer_id, space)
-        except CodecError as exc:
-            logger.warning("discarded an unreadable record of transfer %s (its chunks expire with their "
-                           "TTL): %s", transfer_id, exc)
-            return True
-        chunks = self.chunks if space == self.prefix else self.chunks.under(space)
-        chunks.release(held, transfer_id)
-        return True
+        """:func:`discard_transfer` under this key space, or another rank's ``prefix``."""
+        return discard_transfer(self.store, prefix or self.prefix, transfer_id, wait_s=wait_s)
 
     def _release_quietly(self, digests: tuple[str, ...] | list[str], holder: str) -> None:
         try:
@@ -226,3 +196,42 @@ class Transfers:
 _NOBODY = "0" * 16
 """The holder a take without a transfer id releases as: it holds nothing, so chunks nobody holds go."""
 
+
+def record_key(prefix: str, transfer_id: str) -> str:
+    """The list holding the record of transfer ``transfer_id`` in key space ``prefix``."""
+    return f"{prefix}:t:{{{check_entry_id(transfer_id)}}}"
+
+
+def discard_transfer(store: RedisStore, prefix: str, transfer_id: str, *, wait_s: float = 0.0) -> bool:
+    """Release transfer ``transfer_id`` of key space ``prefix`` unread: its record taken (waiting up to
+    ``wait_s`` for it: the prefill may still be writing) and every hold it names dropped; whether there was
+    one. Needs no chunk length nor page format, so a proxy can call it with an announcement alone."""
+    queue = record_key(prefix, transfer_id)
+    # Releasing needs the chunks' keys only (no page format): a store for that and nothing else.
+    chunks = ChunkStore(store, prefix, ttl_ms=1, block_size=1, max_chunk_bytes=0)
+    try:
+        record = store.pop_record(queue, wait_s)
+    except WrongTypeError:
+        chunks.delete_keys([queue])
+        return False
+    if record is None:
+        return False
+    try:
+        held = _record_digests(record, transfer_id, prefix)
+    except CodecError as exc:
+        logger.warning("discarded an unreadable record of transfer %s (its chunks expire with their TTL): %s",
+                       transfer_id, exc)
+        return True
+    chunks.release(held, transfer_id)
+    return True
+
+
+def _record_digests(record: bytes | bytearray, transfer_id: str, space: str) -> tuple[str, ...]:
+    """The chunk digests a transfer's record names, once checked as written for key space ``space``."""
+    tensors, meta = codec.decode(record, max_payload_bytes=_MAX_RECORD_BYTES)
+    if (meta.get("kind") != RECORD_KIND or meta.get("space") != space or meta.get("id") != transfer_id
+            or len(tensors) != 1 or tensors[0] is None or tensors[0].dtype != torch.uint8
+            or tensors[0].dim() != 1 or tensors[0].numel() % 16):
+        raise CodecError(f"not a transfer record of {space} for {transfer_id}: {meta!r}")
+    raw = codec.tensor_bytes(tensors[0]).tobytes()
+    return tuple(raw[i:i + 16].hex() for i in range(0, len(raw), 16))

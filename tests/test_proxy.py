@@ -29,6 +29,7 @@ from kvredis.config import KVRedisConfig  # noqa: E402
 from kvredis.errors import ConfigError  # noqa: E402
 from kvredis.keys import new_entry_id, prompt_digest  # noqa: E402
 from kvredis.proxy import ProxyConfig, start_proxy  # noqa: E402
+from kvredis.transfer import Transfers  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Upper bound on any one scenario, so a proxy bug shows up as a failure rather than a hung test run.
@@ -510,15 +511,17 @@ def test_run_proxy_stops_cleanly_on_signal(signum: int) -> None:
 def announced_entry(
     real_redis_url: str, namespace: str
 ) -> Iterator[tuple[RedisLookupBuffer, dict[str, Any]]]:
-    """A chunked entry in the real Redis, announced as a prefill announces it; a buffer of its namespace."""
-    buffer = RedisLookupBuffer(KVRedisConfig.from_env({}, {"url": real_redis_url, "namespace": namespace,
-                                                           "chunk_bytes": 4096}))
-    tokens = torch.arange(40)
+    """A transfer of three chunks in the real Redis, announced as a prefill announces it; a buffer of its
+    namespace."""
+    buffer = RedisLookupBuffer(KVRedisConfig.from_env({}, {"url": real_redis_url, "namespace": namespace}))
+    transfers = Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=16, block_size=16, ttl_ms=60_000,
+                          pop_timeout_s=1.0, max_chunk_bytes=1 << 20)
+    tokens = list(range(40))
     entry_id = new_entry_id()
-    buffer.insert(tokens, None, torch.randn(8, 1024), None, None, entry_id=entry_id)
+    transfers.save(transfers.plan(tokens), torch.randn(2, 3, 2, 16, 8), transfer_id=entry_id)
     shards = (buffer.keyspace.prefix,)
     params = Announcement(entry_id, prompt_digest(tokens), "", None, shards, 40).to_params()
-    assert len(_keys_of(buffer)) > 2, "the entry is chunked: a record and several pieces"
+    assert len(_keys_of(buffer)) == 7, "a record, three chunks and their holders"
     yield buffer, params
     buffer.store.delete(_keys_of(buffer))
     buffer.close()
@@ -538,8 +541,8 @@ def test_an_entry_whose_decode_failed_is_deleted(
     announced_entry: tuple[RedisLookupBuffer, dict[str, Any]], refused_url: str, real_redis_url: str,
     failure: str,
 ) -> None:
-    """The decode never got the request (or refused it): the proxy deletes the announced entry, record and
-    pieces, instead of leaving it to its TTL."""
+    """The decode never got the request (or refused it): the proxy releases the announced transfer, record
+    and chunks, instead of leaving it to its TTL."""
     buffer, params = announced_entry
 
     async def scenario() -> None:
@@ -592,16 +595,16 @@ def test_without_a_redis_a_failed_decode_leaves_the_entry(
     assert sorted(_keys_of(buffer)) == sorted(before)
 
 
-@pytest.mark.parametrize("field", ["entry", "digest", "shards"])
+@pytest.mark.parametrize("field", ["entry", "shards"])  # the digest names no key the proxy deletes
 def test_a_malformed_announcement_deletes_nothing(
     announced_entry: tuple[RedisLookupBuffer, dict[str, Any]], refused_url: str, real_redis_url: str,
     field: str,
 ) -> None:
-    """A digest, entry id or key prefix that could name another key is never used to delete anything."""
+    """An entry id or key prefix that could name another key is never used to delete anything."""
     buffer, params = announced_entry
     before = _keys_of(buffer)
     announced = dict(params[TRANSFER_PARAM])
-    announced[field] = {"entry": "../x", "digest": "*", "shards": ["kvredis:*"]}[field]
+    announced[field] = {"entry": "../x", "shards": ["kvredis:*"]}[field]
 
     async def scenario() -> None:
         async with deployment(decode_urls=[refused_url],

@@ -50,11 +50,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvredis import staging
 from kvredis.announcement import Announcement, MalformedAnnouncement, read_announcement
 from kvredis.buffer import RedisLookupBuffer
+from kvredis.chunk_keys import ChunkPlan
+from kvredis.chunk_store import PageFormat
 from kvredis.config import KVRedisConfig
 from kvredis.errors import KVRedisError
 from kvredis.keys import KeySpace, new_entry_id, prompt_digest
 from kvredis.paged import PagedLayout, block_span
 from kvredis.request_keys import UNHASHED_MULTIMODAL, AdapterDigests, request_context
+from kvredis.transfer import Transfers
 from kvredis.vllm.engine import (
     cache_identity,
     check_vllm_version,
@@ -153,6 +156,8 @@ class _RequestState:
     unsupported: str | None
     remote_decode: bool
     announcement: _Announcement | None
+    external_stop: int = 0  # the last lookup's answer: positions up to this one can be loaded
+    plan: ChunkPlan | None = None  # the prompt's chunks, hashed at its first lookup
 
 
 class _CacheWrites:
@@ -235,6 +240,13 @@ class KVRedisConnector(KVConnectorBase_V1):
             buffer_config = self.config.replace(
                 connect_timeout_s=min(self.config.connect_timeout_s, self.config.lookup_timeout_s))
         self.buffer = RedisLookupBuffer(buffer_config, identity=self.identity)
+        # Chunks are whole blocks: the configured length is rounded up to the next multiple of a block.
+        chunk_tokens = -(-self.config.chunk_tokens // self._block_size) * self._block_size
+        self.transfers = Transfers(
+            self.buffer.store, self.buffer.keyspace.prefix, chunk_tokens=chunk_tokens,
+            block_size=self._block_size, ttl_ms=int(self.config.ttl_s * 1000),
+            pop_timeout_s=self.config.pop_timeout_s, max_chunk_bytes=self.config.max_entry_bytes,
+            checksum=self.config.checksum)
         self.metrics = self.buffer.metrics
         self.counts = Counts()
         # Scheduler side.
@@ -293,8 +305,8 @@ class KVRedisConnector(KVConnectorBase_V1):
             if time.monotonic() < self._lookups_paused_until:
                 return 0, False
             try:
-                if not self.buffer.contains(tokens, context=state.context):
-                    return 0, False
+                plan = self._plan_of(state, tokens)
+                stored = self.transfers.chunks.stored_prefix(plan.digests, lookup=True)
             except KVRedisError as exc:
                 self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
                 self.metrics.miss("error")
@@ -302,7 +314,18 @@ class KVRedisConnector(KVConnectorBase_V1):
                 logger.warning("request %s: cannot look up its KV in Redis, computing it (and not looking "
                                "prompts up for %g s): %s", request.request_id, _LOOKUP_PAUSE_S, exc)
                 return 0, False
+            # Chunks found without an announcement: a prefix of the prompt, maybe all of it.
+            loadable = min(loadable, stored * self.transfers.chunk_tokens)
+            if loadable <= num_computed_tokens:
+                return 0, False
+        state.external_stop = loadable
         return loadable - num_computed_tokens, True
+
+    def _plan_of(self, state: _RequestState, tokens: list[int]) -> ChunkPlan:
+        """The prompt's chunks, hashed once per request (the scheduler may ask about it every step)."""
+        if state.plan is None:
+            state.plan = self.transfers.plan(tokens, state.context)
+        return state.plan
 
     def _state_of(self, request: Any) -> _RequestState:
         """The request's state, made at its first lookup (on the producer too: it decides the save)."""
@@ -363,7 +386,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         return {"namespace": self.config.namespace, "model": identity.model, "kv_dtype": identity.kv_dtype,
                 "layout": identity.layout, "block_size": identity.block_size, "tp_size": identity.tp_size,
                 "format_version": identity.format_version, "weights": identity.weights,
-                "layers": self._kv_layers}
+                "layers": self._kv_layers, "chunk_tokens": self.transfers.chunk_tokens}
 
     def _warn_once(self, cause: tuple[str, ...], message: str, *args: Any) -> None:
         if cause not in self._warned:
@@ -380,7 +403,7 @@ class KVRedisConnector(KVConnectorBase_V1):
                 self._discard_announced(request, state)
             return
         tokens = _token_list(request.prompt_token_ids)
-        stop = len(tokens) - 1
+        stop = state.external_stop if state is not None and state.external_stop else len(tokens) - 1
         announcement = state.announcement if state is not None else None
         self._pending_loads[req_id] = TransferSpec(
             req_id, tokens, list(blocks.get_block_ids()[0]), stop - num_external_tokens, stop,
@@ -421,8 +444,7 @@ class KVRedisConnector(KVConnectorBase_V1):
     def _discard(self, req_id: str, tokens: list[int], context: str, entry_id: str, shard: str) -> None:
         try:
             # The producer may still be writing it (it announces before its writer thread is done).
-            deleted = self.buffer.discard(tokens, None, context=context, entry_id=entry_id,
-                                          wait_s=self.config.pop_timeout_s, prefix=shard)
+            deleted = self.transfers.discard(entry_id, wait_s=self.config.pop_timeout_s, prefix=shard)
         except Exception as exc:  # a background thread: say so, or it vanishes in its future
             logger.warning("request %s: could not delete its unused entry %s (%s); it expires with its TTL",
                            req_id, entry_id, exc)
@@ -660,8 +682,9 @@ class KVRedisConnector(KVConnectorBase_V1):
             with self._on_device():
                 if copied is not None:
                     copied.wait()  # the step's copies into ``pages`` ran (this thread waits, not the engine)
-                self.buffer.insert(torch.tensor(spec.token_ids, dtype=torch.long), None, pages, None, None,
-                                   context=spec.context, entry_id=spec.entry_id)
+                plan = self.transfers.plan(spec.token_ids, spec.context)
+                per_block = pages.shape[1] // max(len(self._prompt_blocks(spec)), 1)
+                saved = self.transfers.save(plan, pages, transfer_id=spec.entry_id, pages_per_block=per_block)
         except KVRedisError as exc:
             self.counts.add(save_failures=1)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
@@ -671,7 +694,9 @@ class KVRedisConnector(KVConnectorBase_V1):
             logger.exception("request %s: unexpected error saving KV of %d tokens to Redis", spec.req_id,
                              len(spec.token_ids))
         else:
-            self.counts.add(saved_requests=1, saved_tokens=len(spec.token_ids))
+            self.metrics.stored(saved.nbytes, time.monotonic() - started)
+            self.counts.add(saved_requests=1, saved_tokens=len(spec.token_ids), written_chunks=saved.written,
+                            present_chunks=saved.present, written_bytes=saved.nbytes)
             self._report_late_save(spec, handed_at, started)
 
     def _report_late_save(self, spec: TransferSpec, handed_at: float, started: float) -> None:
@@ -689,9 +714,10 @@ class KVRedisConnector(KVConnectorBase_V1):
                        self.config.pop_timeout_s, hint)
 
     def _load(self, spec: TransferSpec, after: staging.Event | None = None) -> None:
+        loaded = spec.start
         try:
             with self._on_device():
-                cause = self._load_into_blocks(spec, after)
+                cause, loaded = self._load_into_blocks(spec, after)
         except KVRedisError as exc:
             cause = str(exc)
         except Exception as exc:  # a load must never take the engine down: recompute instead.
@@ -702,68 +728,81 @@ class KVRedisConnector(KVConnectorBase_V1):
                 self._received.add(spec.req_id)
                 self.counts.add(loaded_requests=1, loaded_tokens=spec.stop - spec.start)
             return
-        self._load_failed(spec, cause)
+        self._load_failed(spec, cause, loaded)
 
-    def _load_failed(self, spec: TransferSpec, cause: str) -> None:
-        """Report the request's blocks as not loaded (vLLM recomputes or fails them); never raises."""
+    def _load_failed(self, spec: TransferSpec, cause: str, loaded: int | None = None) -> None:
+        """Report the request's blocks from position ``loaded`` on (default: all it was to load) as not
+        loaded: vLLM recomputes from the first of them (or fails the request). Never raises."""
+        loaded = spec.start if loaded is None else max(spec.start, loaded)
         try:
-            blocks = set(self._prompt_blocks(spec))
+            blocks = {spec.block_ids[i] for i in block_span(self._block_size, loaded, spec.stop)}
         except Exception:  # page arithmetic that cannot hold: every block of the request is suspect
             blocks = set(spec.block_ids)
         with self._lock:
             self._failed[spec.req_id] = blocks
-            self.counts.add(load_failures=1, failed_tokens=spec.stop - spec.start)
+            self.counts.add(load_failures=1, failed_tokens=spec.stop - loaded,
+                            loaded_tokens=loaded - spec.start)
         logger.warning("request %s: KV of %d tokens not loaded from Redis (%s); vLLM recomputes them",
-                       spec.req_id, spec.stop - spec.start, cause)
+                       spec.req_id, spec.stop - loaded, cause)
 
-    def _load_into_blocks(self, spec: TransferSpec, after: staging.Event | None = None) -> str | None:
-        """Take the entry and write its pages into the blocks; returns why not, or ``None`` on success (on a
-        GPU, once the copies ran: the request is reported finished only then)."""
-        entry, cause = self.buffer.take(
-            torch.tensor(spec.token_ids, dtype=torch.long), None, context=spec.context,
-            entry_id=spec.entry_id, allocate=self._staging.host_bytes if self._staging is not None else None)
-        if entry is None:
-            if cause == "absent" and spec.entry_id is not None:
-                # Announced but not written in time (a stalled prefill): delete it when it lands.
-                self._discard_when_written(spec)
-            if cause == "absent":
-                keys = self.buffer.keyspace.entry(spec.token_ids, None, spec.context)
-                awaited = keys.queue if spec.entry_id is None else keys.entry_queue(spec.entry_id)
-                return (f"no entry within {self.config.pop_timeout_s:g} s at {awaited} (missing, expired or "
-                        "evicted)")
-            return f"its entry was dropped as {cause}"
-        stored = entry[2]
-        if stored is None:
-            return "its entry holds no pages"
-        if not self._layers:
-            return "no KV caches registered"
+    def _page_format(self) -> PageFormat:
+        """The pages this engine's caches hold: what a chunk must carry to be written into them."""
         names = list(self._layers)
         layout = self._layouts[names[0]]
-        sample = self._layers[names[0]]
-        whole = layout.kernel_blocks(list(range(len(block_span(self._block_size, 0, len(spec.token_ids))))),
-                                     self._block_size)
-        expected = (len(names), len(whole), *layout.page_shape)
-        if tuple(stored.shape) != expected or stored.dtype != sample.dtype:
-            self.metrics.miss("mismatch")
-            found = f"{tuple(stored.shape)} {stored.dtype}"
-            return f"entry holds {found}, this engine needs {expected} {sample.dtype}"
-        span = block_span(self._block_size, spec.start, spec.stop)
-        targets = layout.kernel_blocks(self._prompt_blocks(spec), self._block_size)
-        sources = layout.kernel_blocks(list(span), self._block_size)
+        return PageFormat(self._layers[names[0]].dtype, len(names), layout.page_shape,
+                          self._block_size // layout.kernel_block_size)
+
+    def _load_into_blocks(self, spec: TransferSpec,
+                          after: staging.Event | None = None) -> tuple[str | None, int]:
+        """Read the chunks covering the request's external positions and write their pages into its blocks;
+        returns why not all of them (``None``: all), and the position up to which the blocks hold loaded KV
+        (on a GPU, once the copies ran: the request is reported finished only then)."""
+        if not self._layers:
+            return "no KV caches registered", spec.start
+        started = time.perf_counter()
+        plan = self.transfers.plan(spec.token_ids, spec.context)
+        taken = self.transfers.take(plan, spec.start, spec.stop, self._page_format(),
+                                    transfer_id=spec.entry_id)
+        loaded = min(spec.stop, taken.stop(plan)) if taken.chunks else spec.start
+        if taken.chunks:
+            self._write_chunks(spec, plan, taken.first, taken.chunks, loaded, after)
+            self.metrics.loaded(taken.nbytes, time.perf_counter() - started)
+            self.counts.add(loaded_bytes=taken.nbytes)
+        if taken.cause == "hit":
+            return None, spec.stop
+        self.metrics.miss(taken.cause if taken.cause in ("absent", "corrupt", "foreign", "partial")
+                          else "mismatch")
+        if taken.cause == "absent" and spec.entry_id is not None and not taken.chunks:
+            # Announced but not written in time (a stalled prefill): delete it when it lands.
+            self._discard_when_written(spec)
+            awaited = self.transfers.record_key(spec.entry_id)
+            return (f"no transfer record within {self.config.pop_timeout_s:g} s at {awaited} (missing, "
+                    "expired or evicted)"), spec.start
+        return f"its chunks end at position {loaded} ({taken.cause})", loaded
+
+    def _write_chunks(self, spec: TransferSpec, plan: ChunkPlan, first: int, chunks: list[torch.Tensor],
+                      loaded: int, after: staging.Event | None) -> None:
+        """Write the pages of the blocks holding positions ``spec.start..loaded-1`` into the request's
+        blocks, from ``chunks`` (chunk ``first`` on). Blocks before ``spec.start`` are the local prefix
+        cache's, shared with other requests: never written."""
+        names = list(self._layers)
+        layout = self._layouts[names[0]]
+        blocks = list(block_span(self._block_size, spec.start, loaded))
+        offset = first * (plan.chunk_tokens // self._block_size)  # the block the first chunk starts at
+        stored = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+        sources = layout.kernel_blocks([block - offset for block in blocks], self._block_size)
+        targets = layout.kernel_blocks([spec.block_ids[block] for block in blocks], self._block_size)
         with self._cache_writes.writing():  # held until the copies ran: vLLM may release the caches after
             if self._staging is None:
                 for index, name in enumerate(names):
                     self._layouts[name].scatter(self._layers[name], targets, stored[index, sources])
             else:
-                # The sources are consecutive pages (a block span): a slice of each layer's pinned pages is
-                # one contiguous pinned range, copied to the device without a pageable intermediate.
-                first = int(sources[0]) if len(sources) else 0
-                if len(sources) and int(sources[-1]) != first + len(sources) - 1:
-                    raise KVRedisError(f"the pages to load are not consecutive: {sources.tolist()}")
-                pages = slice(first, first + len(sources))
-                self._staging.load([(self._layers[name], stored[index, pages])
-                                    for index, name in enumerate(names)], targets, after)
-        return None
+                # One contiguous pinned range a layer, copied to the device without a pageable intermediate.
+                shape = (len(names), len(sources), *layout.page_shape)
+                pinned = self._staging.host_empty(shape, stored.dtype)
+                pinned.copy_(stored[:, sources])
+                self._staging.load([(self._layers[name], pinned[index]) for index, name in enumerate(names)],
+                                   targets, after)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Loads finished since the last call (failed ones once their blocks were reported)."""

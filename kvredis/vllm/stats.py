@@ -24,6 +24,10 @@ STATS = {
     "skipped_requests": "Requests neither saved nor loaded (prompt embeddings, or announced by a prefill "
                         "engine configured differently)",
     "discarded_entries": "Announced entries deleted unread because the decode computed the prompt itself",
+    "loaded_bytes": "Bytes of KV chunks read from Redis",
+    "written_chunks": "KV chunks a prefill wrote to Redis",
+    "present_chunks": "KV chunks a prefill did not write because Redis held them already",
+    "written_bytes": "Bytes of KV pages a prefill wrote to Redis",
 }
 """The connector's counters, reported through vLLM's KV-connector stats: vLLM logs them ("KV Transfer
 metrics") and serves them on ``/metrics`` as ``vllm:kvredis_<name>_total``. Worker counts are summed over

@@ -52,8 +52,6 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
-from kvredis.buffer import RedisLookupBuffer
-from kvredis.config import KVRedisConfig
 from kvredis.keys import new_entry_id
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import connector as connector_module
@@ -362,9 +360,9 @@ def test_hit_loads_the_pages_and_schedules_the_last_token(make_engine, length: i
     assert TRANSFER_PARAM in params
     if length > TOKEN_BUDGET:
         assert len(producer.scheduled["p"]) > 1, "the prompt was meant to prefill in chunks"
-    # The announcement names the entry's keys (the proxy deletes an entry whose decode failed by them).
+    # The announcement names the transfer's record (the proxy releases a transfer whose decode failed by it).
     announced = params[TRANSFER_PARAM]
-    record = f"{announced['shards'][0]}:{{{announced['digest']}}}:{announced['entry']}:q".encode()
+    record = f"{announced['shards'][0]}:t:{{{announced['entry']}}}".encode()
     assert record in redis_keys(consumer.redis_url, consumer.namespace)
 
     consumer.add("c", prompt, max_tokens=3, params=params)
@@ -461,6 +459,7 @@ def test_an_announcement_for_other_tokens_is_not_waited_for(make_engine, caplog)
     producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=60.0)
     written, asked = prompt_of(70, seed=71), prompt_of(70, seed=72)
     params = producer.produce("p", written)
+    stored = redis_keys(consumer.redis_url, consumer.namespace)
     with caplog.at_level(logging.WARNING, logger="kvredis"):
         started = time.monotonic()
         consumer.add("c", asked, max_tokens=1, params=params)
@@ -469,7 +468,7 @@ def test_an_announcement_for_other_tokens_is_not_waited_for(make_engine, caplog)
         assert time.monotonic() - started < 30.0
     said = [r.getMessage() for r in caplog.records if "other prompt tokens" in r.getMessage()]
     assert len(said) == 1 and "request c" in said[0], said
-    assert len(redis_keys(consumer.redis_url, consumer.namespace)) == 1  # the other prompt's, untouched
+    assert redis_keys(consumer.redis_url, consumer.namespace) == stored  # the other prompt's, untouched
     consumer.add("c2", written, max_tokens=1, params=params)
     consumer.run(lambda: "c2" in consumer.recved)
     consumer.finish("c2")
@@ -514,25 +513,24 @@ def test_local_prefix_hit_and_the_rest_loaded(make_engine) -> None:
 # -- failures ---------------------------------------------------------------------------------------
 
 
-def _corrupt_record(url: str, namespace: str) -> None:
-    """Flip one payload byte of the only entry record: its CRC no longer matches."""
+def _corrupt_chunk(url: str, namespace: str) -> None:
+    """Flip one payload byte of the only stored chunk: its checksum no longer matches."""
     client = redis.Redis.from_url(url)
     try:
-        (queue,) = [key for key in client.scan_iter(match=f"{namespace}:*:q") if key]
-        record = bytearray(client.lindex(queue, 0))
-        header = codec.read_header(bytes(record), max_payload_bytes=1 << 30)
-        record[header.payload_offset + header.payload_nbytes - 5] ^= 0x40
-        client.lset(queue, 0, bytes(record))
+        (key,) = [key for key in client.scan_iter(match=f"{namespace}:*:c:*") if not key.endswith(b":h")]
+        chunk = bytearray(client.get(key))
+        header = codec.read_header(bytes(chunk), max_payload_bytes=1 << 30)
+        chunk[header.payload_offset + header.payload_nbytes - 5] ^= 0x40
+        client.set(key, bytes(chunk), keepttl=True)
     finally:
         client.close()
 
 
 def _plant_other_shape(consumer: Engine, prompt: list[int], entry_id: str) -> None:
-    """An entry under the consumer's own key whose pages have another shape (one layer, half the width)."""
-    config = KVRedisConfig.from_env({}, {"url": consumer.redis_url, "namespace": consumer.namespace})
-    with RedisLookupBuffer(config, identity=consumer.worker.identity) as buffer:
-        pages = torch.zeros(1, -(-len(prompt) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH // 2)
-        buffer.insert(torch.tensor(prompt), None, pages, None, None, entry_id=entry_id)
+    """A transfer under the consumer's own keys whose pages have another shape (one layer, half the width)."""
+    transfers = consumer.worker.transfers
+    pages = torch.zeros(1, -(-len(prompt) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH // 2)
+    transfers.save(transfers.plan(prompt), pages, transfer_id=entry_id)
 
 
 @pytest.mark.parametrize("fault", ["missing", "corrupt", "other-shape"])
@@ -546,7 +544,7 @@ def test_a_failed_load_reports_its_blocks_and_the_request_is_recomputed(
     else:
         params = producer.produce("p", prompt)
         if fault == "corrupt":
-            _corrupt_record(consumer.redis_url, consumer.namespace)
+            _corrupt_chunk(consumer.redis_url, consumer.namespace)
         else:
             # Take the good entry away first, so the planted one is what the consumer finds.
             client = redis.Redis.from_url(consumer.redis_url)
@@ -784,9 +782,10 @@ def test_multimodal_inputs_are_part_of_the_key(make_engine) -> None:
     again = Request(request_id="cat2", prompt_token_ids=prompt, sampling_params=SamplingParams(),
                     pooling_params=None, mm_features=[_image("hash-of-cat")])
     assert request_context(again).digest == contexts["cat"]
-    # An entry the producer's worker stores for the cat image is found for the cat only.
-    consumer.worker.buffer.insert(torch.tensor(prompt), None, torch.zeros(1), None, None,
-                                  context=contexts["cat"])
+    # Chunks a producer's worker stores for the cat image are found for the cat only.
+    transfers = consumer.worker.transfers
+    transfers.save(transfers.plan(prompt, contexts["cat"]),
+                   torch.zeros(len(LAYERS), -(-len(prompt) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH))
     found = {name: consumer.connector.get_num_new_matched_tokens(request, 0)
              for name, request in requests.items()}
     assert found == {"cat": (59, True), "dog": (0, False), "moved": (0, False), "text": (0, False)}
@@ -860,7 +859,8 @@ def test_a_producer_stores_only_prompts_a_decode_will_ask_for(make_engine) -> No
 
 def test_a_decode_takes_its_own_entry_not_an_older_one(make_engine) -> None:
     """Two prefills of one prompt: the first one's client went away. The decode announced with the second
-    entry takes that one at once; the older one is left alone (to its TTL) and taken by nobody else."""
+    transfer takes that one at once; the chunks, which the second prefill found stored and did not write
+    again, stay held by the older transfer (until its TTL), and its record is taken by nobody."""
     producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
     prompt = prompt_of(75, seed=44)
     old = producer.produce("old", prompt)[TRANSFER_PARAM]["entry"]
@@ -873,16 +873,23 @@ def test_a_decode_takes_its_own_entry_not_an_older_one(make_engine) -> None:
     assert time.monotonic() - started < STEP_TIMEOUT_S / 2
     assert consumer.new_reqs["c"].num_computed_tokens == 74
     left = [key.decode() for key in redis_keys(consumer.redis_url, consumer.namespace)]
-    assert left and all(f":{old}:" in key for key in left) and not any(new in key for key in left)
+    records = [key for key in left if ":t:" in key]
+    assert records == [f"{consumer.worker.transfers.record_key(old)}"], left
+    client = redis.Redis.from_url(consumer.redis_url)
+    holders = [key for key in left if key.endswith(":h")]
+    assert [client.smembers(key) for key in holders] == [{old.encode()}]
+    client.close()
     other = make_engine("kv_consumer")  # a decode whose prefix cache does not hold the prompt
-    other.add("unannounced", prompt, max_tokens=1)  # any-entry lookups see no announced entry
+    other.add("unannounced", prompt, max_tokens=1)  # finds the chunks: the same KV, loaded, left held
     other.finish("unannounced")
-    assert other.new_reqs["unannounced"].num_computed_tokens == 0
+    assert other.new_reqs["unannounced"].num_computed_tokens == 74
     other.assert_empty()
+    assert sorted(key.decode() for key in redis_keys(consumer.redis_url, consumer.namespace)) == sorted(left)
     client = redis.Redis.from_url(consumer.redis_url)
     client.delete(*left)
     client.close()
-    producer.assert_empty()
+    producer.assert_empty()  # steps once more: the second save's counts are published then
+    assert producer.stats["written_chunks"] == 1 and producer.stats["present_chunks"] == 1
     consumer.assert_empty()
 
 
@@ -1002,15 +1009,15 @@ def test_a_save_late_enough_to_outlast_a_decode_is_reported(make_engine, monkeyp
     clock = [1000.0]
     monkeypatch.setattr(connector_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     producer = make_engine("kv_producer", pop_timeout_s=0.4)
-    insert = producer.worker.buffer.insert
+    save = producer.worker.transfers.save
 
-    def slow_insert(*args: Any, **kwargs: Any) -> str:
+    def slow_save(*args: Any, **kwargs: Any) -> Any:
         clock[0] += 0.3
-        return insert(*args, **kwargs)
+        return save(*args, **kwargs)
 
     with caplog.at_level(logging.WARNING, logger="kvredis"):
         producer.produce("fast", prompt_of(70, seed=65))
-        monkeypatch.setattr(producer.worker.buffer, "insert", slow_insert)
+        monkeypatch.setattr(producer.worker.transfers, "save", slow_save)
         producer.produce("slow", prompt_of(70, seed=66))
     said = [r.getMessage() for r in caplog.records if "reached Redis" in r.getMessage()]
     assert said == [
@@ -1091,10 +1098,10 @@ def test_no_exception_escapes_a_load_without_its_blocks_reported(make_engine, mo
     prompt = prompt_of(70, seed=50)
     params = producer.produce("p", prompt)
 
-    def broken(spec: Any) -> list[int]:
+    def broken(*args: Any) -> None:
         raise IndexError("block table shorter than the span")
 
-    monkeypatch.setattr(consumer.worker, "_prompt_blocks", broken)
+    monkeypatch.setattr(consumer.worker, "_write_chunks", broken)
     consumer.add("c", prompt, max_tokens=1, params=params)
     consumer.finish("c")
     assert "c" in consumer.recved and len(consumer.invalid_blocks) == 1
