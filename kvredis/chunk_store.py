@@ -195,9 +195,10 @@ class ChunkStore:
         return frames.encode(meta, checksum=self.checksum)
 
     def write(self, plan: ChunkPlan, chunks: Sequence[tuple[int, torch.Tensor]], *,
-              holder: str | None = None) -> list[bool]:
+              holder: str | None = None) -> list[int]:
         """Write each ``(index, pages)`` unless Redis holds that chunk already (then it is left as it is);
-        which were written. With ``holder``, each is held for that transfer either way."""
+        the bytes written for each (0: it was there). With ``holder``, each is held for that transfer
+        either way."""
         if not chunks:
             return []
         blobs = [(plan.digests[index], self.encode(plan, index, pages).to_bytes()) for index, pages in chunks]
@@ -205,7 +206,7 @@ class ChunkStore:
         with self.store.guarded(f"writing {len(blobs)} chunks"):
             replies = self._eval_each(client, _WRITE, [(self._pair(digest), [blob, self.ttl_ms, holder or ""])
                                                        for digest, blob in blobs])
-            return [bool(int(reply)) for reply in replies]
+            return [len(blob) if int(reply) else 0 for (_, blob), reply in zip(blobs, replies, strict=True)]
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -225,16 +226,17 @@ class ChunkStore:
                 else:
                     pipe.get(key)
             values = pipe.execute(raise_on_error=False)
+            for value in values:  # raised here, to be named as the Redis error it is
+                if isinstance(value, Exception) and "WRONGTYPE" not in str(value):
+                    raise value
         reads = []
         bad: list[str] = []
         for index, key, value in zip(indexes, keys, values, strict=True):
             if value is None:
                 reads.append(ChunkRead(index, None, "absent"))
                 continue
-            if isinstance(value, Exception):
-                if "WRONGTYPE" not in str(value):
-                    raise KVRedisError(f"reading chunk {key} failed: {value}")
-                read = ChunkRead(index, None, "foreign")  # a list or set planted at a chunk's key
+            if isinstance(value, Exception):  # WRONGTYPE: a list or set planted at a chunk's key
+                read = ChunkRead(index, None, "foreign")
             else:
                 read = self._check(plan, index, value, page_format)
             if read.pages is None:

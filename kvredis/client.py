@@ -161,6 +161,8 @@ def translated(exc: BaseException, what: str, config: KVRedisConfig | None = Non
         text = _without_arguments(str(exc))
         if "NOPERM" in text or isinstance(exc, redis.exceptions.NoPermissionError):
             return KVRedisError(f"{what}{where}: denied by the Redis ACL (NOPERM): {text}")
+        if "user executing the script can't run" in text:  # a command inside a script (Redis 7 words it so)
+            return KVRedisError(f"{what}{where}: denied by the Redis ACL (NOPERM) in a script: {text}")
         if "EXEC without MULTI" in text:  # MULTI itself was refused; redis-py reports only the EXEC
             return KVRedisError(
                 f"{what}{where}: MULTI was refused (NOPERM? the Redis ACL needs +multi +exec): {text}"

@@ -111,15 +111,14 @@ class Transfers:
         chunks = [(index, pages[:, index * per_chunk:(index + 1) * per_chunk]) for index in missing]
         try:
             written = self.chunks.write(plan, chunks, holder=holder)
-            nbytes = sum(int(p.numel()) * p.element_size() for (_, p), w in zip(chunks, written, strict=True)
-                         if w)
             if transfer_id is not None:
                 self._push_record(plan, transfer_id)
         except BaseException:
             if transfer_id is not None:
                 self._release_quietly(plan.digests, transfer_id)
             raise
-        return Saved(sum(written), len(present) - len(missing) + (len(written) - sum(written)), nbytes)
+        count = sum(1 for nbytes in written if nbytes)
+        return Saved(count, len(present) - count, sum(written))
 
     def _push_record(self, plan: ChunkPlan, transfer_id: str) -> None:
         digests = torch.frombuffer(bytearray(b"".join(bytes.fromhex(d) for d in plan.digests)),

@@ -35,7 +35,9 @@ def pages_of(plan: ChunkPlan, index: int, seed: int = 0) -> torch.Tensor:
 
 
 def write_all(store: ChunkStore, plan: ChunkPlan, holder: str | None = None) -> list[bool]:
-    return store.write(plan, [(i, pages_of(plan, i)) for i in range(plan.num_chunks)], holder=holder)
+    """Which chunks were written."""
+    written = store.write(plan, [(i, pages_of(plan, i)) for i in range(plan.num_chunks)], holder=holder)
+    return [nbytes > 0 for nbytes in written]
 
 
 def test_chunks_read_back_bit_for_bit_with_a_short_last_one(chunk_store: ChunkStore) -> None:
@@ -55,7 +57,9 @@ def test_only_missing_chunks_are_written(chunk_store: ChunkStore) -> None:
     turn_two = ChunkPlan.of(list(range(64)) + list(range(500, 540)), CHUNK)
     assert chunk_store.present(turn_two.digests) == [True, True, False, False]
     written = chunk_store.write(turn_two, [(i, pages_of(turn_two, i, seed=1)) for i in range(4)])
-    assert written == [False, False, True, True]
+    assert [nbytes > 0 for nbytes in written] == [False, False, True, True]
+    blob = chunk_store.store.redis.get(chunk_store.keys.chunk(turn_two.digests[2]))
+    assert written[2] == len(blob)  # what was sent is what is stored
     # What was there stays as it was: the second writer's pages for chunks 0 and 1 were not stored.
     read = chunk_store.read(turn_two, [0], FORMAT)[0]
     assert read.pages is not None and torch.equal(read.pages, pages_of(first, 0))
@@ -237,7 +241,7 @@ def test_two_writers_of_one_chunk_at_once_leave_one_good_copy(chunk_store: Chunk
         try:
             start.wait(timeout=30)
             chunks = [(i, pages_of(plan, i, seed)) for i in range(plan.num_chunks)]
-            results.append(chunk_store.write(plan, chunks, holder=f"{seed:016x}"))
+            results.append([n > 0 for n in chunk_store.write(plan, chunks, holder=f"{seed:016x}")])
         except BaseException as exc:  # reported below, never lost with the thread
             errors.append(exc)
 

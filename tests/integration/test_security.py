@@ -33,8 +33,11 @@ from test_buffer import assert_entry, kv_entry
 
 from kvredis import ConfigError, KVRedisConnectionError, KVRedisError, KVRedisTimeoutError, codec
 from kvredis.buffer import RedisLookupBuffer
+from kvredis.chunk_store import PageFormat
+from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
-from kvredis.keys import CacheIdentity
+from kvredis.keys import CacheIdentity, new_entry_id
+from kvredis.transfer import Transfers
 
 MISS = [None] * 5
 BUFFER_COMMANDS = ("rpush", "pexpire", "multi", "exec", "blpop", "llen", "set", "getdel", "del")
@@ -374,6 +377,51 @@ def test_a_user_lacking_any_command_of_the_rule_fails_clearly(acl_server, namesp
         with pytest.raises(KVRedisError, match="NOPERM") as info:
             call()
         assert not isinstance(info.value, KVRedisConnectionError)
+
+
+CHUNK_COMMANDS = ("exists", "evalsha", "script|load", "set", "sadd", "srem", "scard", "pexpire", "get", "del",
+                  "rpush", "multi", "exec", "blpop")
+"""The commands the vLLM connector's chunk store sends, its scripts' included (ACL checks those too);
+README's rule for connector users lists exactly these."""
+
+
+def transfer_round_trip(url: str, namespace: str, admin: Any) -> None:
+    """A transfer saved, taken and released; another saved and discarded: nothing left."""
+    config = KVRedisConfig.from_env({}, {"url": url, "namespace": namespace, "pop_timeout_s": 1.0,
+                                         "socket_timeout_s": 2.0})
+    store = RedisStore(config)
+    try:
+        transfers = Transfers(store, f"{namespace}:0123456789abcdef", chunk_tokens=16, block_size=16,
+                              ttl_ms=60_000, pop_timeout_s=1.0, max_chunk_bytes=1 << 20)
+        page_format = PageFormat(torch.float32, 2, (2, 16, 4))
+        plan = transfers.plan(list(range(40)))
+        pages = torch.randn(2, 3, 2, 16, 4)
+        transfers.save(plan, pages, transfer_id=(first := new_entry_id()))
+        assert transfers.chunks.stored_prefix(plan.digests) == 3
+        taken = transfers.take(plan, 0, 39, page_format, transfer_id=first)
+        assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages)
+        transfers.save(plan, pages, transfer_id=(second := new_entry_id()))
+        assert transfers.discard(second)
+        assert list(admin.scan_iter(match=f"{namespace}:*")) == []
+    finally:
+        store.close()
+
+
+def test_the_connector_rule_runs_every_transfer(acl_server, namespace):
+    server, admin = acl_server
+    set_user(admin, "kv", "pw-c", acl_rules(namespace, CHUNK_COMMANDS))
+    admin.script_flush()  # the first call loads its scripts itself
+    transfer_round_trip(f"redis://kv:pw-c@127.0.0.1:{server.port}/0", namespace, admin)
+
+
+@pytest.mark.parametrize("missing", CHUNK_COMMANDS)
+def test_a_connector_user_lacking_any_command_fails_clearly(acl_server, namespace, missing):
+    server, admin = acl_server
+    set_user(admin, "kv", "pw-d", acl_rules(namespace, tuple(c for c in CHUNK_COMMANDS if c != missing)))
+    admin.script_flush()
+    with pytest.raises(KVRedisError, match="NOPERM") as info:
+        transfer_round_trip(f"redis://kv:pw-d@127.0.0.1:{server.port}/0", namespace, admin)
+    assert not isinstance(info.value, KVRedisConnectionError)
 
 
 def test_a_user_limited_to_one_namespace_cannot_touch_another(acl_server, namespace):

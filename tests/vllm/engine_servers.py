@@ -164,17 +164,25 @@ class Disaggregated:
         finally:
             client.close()
 
-    def entry_queues(self, count: int = 1, timeout_s: float = 10.0) -> list[str]:
-        """The entry lists holding a record, once there are ``count`` (the prefill writes after answering)."""
+    def transfer_records(self, count: int = 1, timeout_s: float = 10.0) -> list[str]:
+        """The lists holding a transfer's record, once there are ``count`` (the prefill writes after
+        answering, and pushes the record last)."""
+        return self._wait_for_keys(f"{self.namespace}:*:t:*", count, timeout_s, lambda c, k: bool(c.llen(k)))
+
+    def stored_chunks(self, count: int = 1, timeout_s: float = 10.0) -> list[str]:
+        """The keys of stored chunks (not their holders' sets), once there are ``count``."""
+        return self._wait_for_keys(f"{self.namespace}:*:c:*", count, timeout_s,
+                                   lambda c, k: not k.endswith(b":h"))
+
+    def _wait_for_keys(self, pattern: str, count: int, timeout_s: float, keep: Any) -> list[str]:
         client = self.redis.client()
         deadline = time.monotonic() + timeout_s
         try:
             while True:
-                queues = sorted(key.decode() for key in client.scan_iter(match=f"{self.namespace}:*:q")
-                                if client.llen(key))
-                if len(queues) >= count:
-                    return queues
-                assert time.monotonic() < deadline, f"the prefill engine stored {queues}, not {count}"
+                keys = sorted(key.decode() for key in client.scan_iter(match=pattern) if keep(client, key))
+                if len(keys) >= count:
+                    return keys
+                assert time.monotonic() < deadline, f"the prefill engine stored {keys}, not {count}"
                 time.sleep(0.01)
         finally:
             client.close()

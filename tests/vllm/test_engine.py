@@ -43,8 +43,10 @@ from engine_servers import (
 from redis_servers import wait_until
 
 from kvredis import codec
+from kvredis.config import KVRedisConfig
 
 START_TIMEOUT_S = 300.0
+CHUNK_TOKENS = KVRedisConfig().chunk_tokens  # the default, a multiple of the engines' block size
 LENGTHS = [5, 20, 31, 32, 33, 64, 65, 100, 257, 513, 1000, 1500]
 """Prompt lengths: shorter than a block (5, 20, 31), whole blocks (32, 64), k*32+1 (33, 65, 257, 513),
 ~1000 tokens and more."""
@@ -121,11 +123,16 @@ def test_decode_matches_an_engine_without_connector_and_loads_every_prompt(deplo
     loaded = sum(len(p) - 1 for p in prompts)
     decode_delta = wait_counters(deployment.decode, decode_before,
                                  {"loaded_requests": len(prompts), "loaded_tokens": loaded})
-    assert decode_delta == {"loaded_requests": len(prompts), "loaded_tokens": loaded}
     deployment.prefill.complete([7], max_tokens=1)  # one more engine step reports the last save
+    chunks = sum(-(-len(p) // CHUNK_TOKENS) for p in prompts)
     prefill_delta = wait_counters(deployment.prefill, prefill_before,
-                                  {"saved_requests": len(prompts), "saved_tokens": loaded + len(prompts)})
-    assert prefill_delta == {"saved_requests": len(prompts), "saved_tokens": loaded + len(prompts)}
+                                  {"saved_requests": len(prompts), "written_chunks": chunks})
+    # Distinct prompts, none in the decode's prefix cache: it read every chunk the prefill wrote, no more.
+    written = prefill_delta.get("written_bytes", 0)
+    assert decode_delta == {"loaded_requests": len(prompts), "loaded_tokens": loaded, "loaded_bytes": written}
+    assert prefill_delta == {"saved_requests": len(prompts), "saved_tokens": loaded + len(prompts),
+                             "written_chunks": chunks, "written_bytes": written}
+    assert written > 0
     assert deployment.stored_keys() == []
 
 
@@ -155,8 +162,8 @@ def test_the_prefill_writes_while_a_decode_waits_for_its_entry(deployment: Deplo
     client = deployment.redis.client()
     try:
         held_params = deployment.prefill_params(held)
-        (queue,) = deployment.entry_queues()
-        client.rename(queue, queue + ":late")  # the entry is "still being written": the decode waits
+        (queue,) = deployment.transfer_records()
+        client.rename(queue, queue + ":late")  # the transfer is "still being written": the decode waits
 
         def decode_waiting() -> bool:
             return any(c.get("cmd") == "blpop" and "b" in c.get("flags", "") for c in client.client_list())
@@ -165,7 +172,7 @@ def test_the_prefill_writes_while_a_decode_waits_for_its_entry(deployment: Deplo
             waiting = pool.submit(deployment.decode.complete, held, params=held_params)
             wait_until(decode_waiting, START_TIMEOUT_S, "the decode to wait for the entry set aside")
             other_params = deployment.prefill_params(other)
-            deployment.entry_queues(timeout_s=TEST_TIMEOUTS["pop_timeout_s"])  # the held one is renamed
+            deployment.transfer_records(timeout_s=TEST_TIMEOUTS["pop_timeout_s"])  # the held one is renamed
             # Written while the decode still waits: it has not given up on the first entry.
             assert decode_waiting() and not waiting.done()
             client.rename(queue + ":late", queue)  # the write lands; the waiting decode takes it
@@ -181,12 +188,12 @@ def test_the_prefill_writes_while_a_decode_waits_for_its_entry(deployment: Deplo
 # -- the loaded KV is really used ------------------------------------------------------------------
 
 
-def _rewrite_record(deployment: Deployment, queue: str, change: Any) -> None:
-    """Replace the entry's record (one record: the test prompts are under KVREDIS_CHUNK_BYTES)."""
+def _rewrite_chunk(deployment: Deployment, change: Any) -> None:
+    """Replace the only stored chunk (the test prompts are shorter than a chunk), keeping its TTL."""
+    (key,) = deployment.stored_chunks()
     client = deployment.redis.client()
     try:
-        (record,) = client.lrange(queue, 0, -1)
-        client.lset(queue, 0, change(record))
+        client.set(key, change(client.get(key)), keepttl=True)
     finally:
         client.close()
 
@@ -197,20 +204,20 @@ def test_a_corrupted_entry_is_rejected_and_the_prompt_recomputed(deployment: Dep
     (expected,) = reference_answers(deployment, [prompt])
     before = deployment.decode.counters()
     params = deployment.prefill_params(prompt)
-    (queue,) = deployment.entry_queues()
+    deployment.transfer_records()
 
-    def flip(record: bytes) -> bytes:
-        header = codec.read_header(record, max_payload_bytes=1 << 30)
-        changed = bytearray(record)
+    def flip(chunk: bytes) -> bytes:
+        header = codec.read_header(chunk, max_payload_bytes=1 << 30)
+        changed = bytearray(chunk)
         changed[header.payload_offset + header.payload_nbytes // 2] ^= 0x01
         return bytes(changed)
 
-    _rewrite_record(deployment, queue, flip)
+    _rewrite_chunk(deployment, flip)
     decoded = deployment.decode.complete(prompt, params=params)
     assert tokens_of(decoded) == tokens_of(expected)
     assert cached_tokens(decoded) == 0
     warning = (rf"request {re.escape(decoded['id'])}-\S*: KV of 99 tokens not loaded from Redis "
-               r"\(its entry was dropped as corrupt\)")
+               r"\(its chunks end at position 0 \(corrupt\)\)")
     deadline = time.monotonic() + 10
     while not re.search(warning, deployment.decode.log_text()):
         assert time.monotonic() < deadline, deployment.decode.log_tail()
@@ -227,21 +234,22 @@ def test_a_consistently_altered_entry_changes_the_output(deployment: Deployment)
     expected = tokens_of(reference_answers(deployment, [prompt])[0])
     before = deployment.decode.counters()
     params = deployment.prefill_params(prompt)
-    (queue,) = deployment.entry_queues()
+    deployment.transfer_records()
 
-    def alter(record: bytes) -> bytes:
-        tensors, meta = codec.decode(record, max_payload_bytes=1 << 30)
-        pages = tensors[2]
+    def alter(chunk: bytes) -> bytes:
+        tensors, meta = codec.decode(chunk, max_payload_bytes=1 << 30)
+        pages = tensors[1]
         assert pages is not None and pages.shape[1] == -(-len(prompt) // BLOCK_SIZE)
         generator = torch.Generator().manual_seed(0)
-        tensors[2] = torch.randn(pages.shape, generator=generator, dtype=pages.dtype) * pages.std() * 4
+        tensors[1] = torch.randn(pages.shape, generator=generator, dtype=pages.dtype) * pages.std() * 4
         return codec.encode(tensors, meta, checksum=True).to_bytes()
 
-    _rewrite_record(deployment, queue, alter)
+    _rewrite_chunk(deployment, alter)
     decoded = deployment.decode.complete(prompt, params=params)
     assert cached_tokens(decoded) == len(prompt) - 1  # accepted and loaded ...
     assert tokens_of(decoded) != expected  # ... and used
     delta = wait_counters(deployment.decode, before, {"loaded_requests": 1})
+    assert delta.pop("loaded_bytes") > 0
     assert delta == {"loaded_requests": 1, "loaded_tokens": 99}
     assert deployment.stored_keys() == []
 
@@ -253,7 +261,7 @@ def test_with_redis_stopped_decode_recomputes_and_warns(deployment: Deployment) 
     prompt, other, after = prompt_of(150, seed=79), prompt_of(60, seed=80), prompt_of(120, seed=81)
     expected = [tokens_of(answer) for answer in reference_answers(deployment, [prompt, other, after])]
     params = deployment.prefill_params(prompt)
-    deployment.entry_queues()
+    deployment.transfer_records()
     before = deployment.decode.counters()
     deployment.redis.stop()
     try:

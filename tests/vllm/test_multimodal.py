@@ -170,7 +170,7 @@ def test_an_entry_is_found_only_by_a_request_with_its_image(vlm: Multimodal) -> 
     want_c, want_e = ask(vlm, vlm.reference, c, text), ask(vlm, vlm.reference, e, text)
     assert want_c.tokens != want_e.tokens
     ask(vlm, vlm.prefill, c, text, max_tokens=1)  # no decode behind it: stored for any request of its key
-    (queue_c,) = vlm.entry_queues(1, timeout_s=90)
+    (queue_c,) = vlm.stored_chunks(1, timeout_s=90)
     left = vlm.stored_keys()
     before = vlm.decode.counters()
     got = ask(vlm, vlm.decode, e, text)
@@ -178,7 +178,7 @@ def test_an_entry_is_found_only_by_a_request_with_its_image(vlm: Multimodal) -> 
     assert vlm.stored_keys() == left, "C's entry was touched by a request with image E"
     # Now E's prompt is stored too: the same tokens, two keys.
     ask(vlm, vlm.prefill, e, text, max_tokens=1)
-    queues = vlm.entry_queues(2, timeout_s=90)
+    queues = vlm.stored_chunks(2, timeout_s=90)
     assert len(queues) == 2 and queue_c in queues, queues
     got = ask(vlm, vlm.decode, c, text)
     assert got.tokens == want_c.tokens and loaded_whole(got), got.cached_tokens
@@ -204,7 +204,7 @@ def test_an_announcement_for_one_image_is_never_loaded_for_another(vlm: Multimod
                     kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
     params_f = abandoned.kv_transfer_params
     assert isinstance(params_f, dict), abandoned
-    vlm.entry_queues(1, timeout_s=90)
+    vlm.transfer_records(1, timeout_s=90)
     left = vlm.stored_keys()
     before = vlm.decode.counters()
     got = ask(vlm, vlm.proxy, g, text)
@@ -263,7 +263,7 @@ def test_images_vllm_names_by_a_counter_are_never_moved(vlm: Multimodal, tmp_pat
         # Text alone still moves between such engines.
         prompt = prompt_of(70, seed=15)
         pair.prefill.complete(prompt, max_tokens=1)
-        assert pair.entry_queues(1, timeout_s=90)
+        assert pair.stored_chunks(1, timeout_s=90)
         answer = pair.decode.complete(prompt)
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
         wait_until(lambda: pair.stored_keys() == [], 90, "the text entry taken")

@@ -198,7 +198,7 @@ def prefill_only(serving: Serving, prompt: list[int], *, model: str | None = Non
 
 
 def entry_written(serving: Serving, count: int) -> None:
-    wait_until(lambda: len([key for key in serving.stored_keys() if key.endswith(b":q")]) >= count, 60,
+    wait_until(lambda: len([key for key in serving.stored_keys() if b":t:" in key]) >= count, 60,
                f"{count} entries written by the prefill")
 
 
@@ -414,7 +414,7 @@ def test_a_request_aborted_while_its_load_is_in_flight(serving: Serving) -> None
     entry_written(serving, 1)
     client = serving.redis.client()
     try:
-        (queue,) = [key for key in serving.stored_keys() if key.endswith(b":q")]
+        (queue,) = [key for key in serving.stored_keys() if b":t:" in key]
         client.rename(queue, queue + b":late")  # the entry is "still being written"
         before = serving.decode.counters()
         connection = _send_and_hang_up(serving.decode.url, _request_body(serving, prompt,

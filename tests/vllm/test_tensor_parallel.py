@@ -44,25 +44,28 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny model's (kvredis.tinymodel def
 class Sharded(Disaggregated):
     """The two engines, each over TP worker processes."""
 
-    def stored_pages(self, queue: str) -> torch.Tensor:
-        """The pages of the entry waiting in ``queue``, read without taking it."""
+    def transfer_chunks(self, record_key: str) -> list[str]:
+        """The chunk keys a transfer's record names (the record is ``<prefix>:t:{<id>}``, a chunk
+        ``<prefix>:c:{<digest>}``)."""
+        prefix = record_key.rsplit(":t:", 1)[0]
         client = self.redis.client()
         try:
-            record = client.lindex(queue, 0)
-            header = codec.read_header(record, max_payload_bytes=1 << 30)
-            # An announced entry's list is <prefix>:{digest}:<id>:q, its pieces <prefix>:{digest}:<id>:<i>.
-            assert header.meta["id"] == queue.split(":")[-2], (queue, header.meta)
-            if header.meta.get("pieces"):
-                base = queue.rsplit(":", 2)[0]
-                payload = b"".join(client.get(f"{base}:{header.meta['id']}:{index}")
-                                   for index in range(header.meta["pieces"]))
-            else:
-                payload = record[header.payload_offset:]
+            tensors, meta = codec.decode(client.lindex(record_key, 0), max_payload_bytes=1 << 20)
         finally:
             client.close()
-        pages = codec.decode_payload(header, bytearray(payload))[2]
-        assert pages is not None
-        return pages
+        assert "{" + meta["id"] + "}" == record_key.rsplit(":", 1)[1], (record_key, meta)
+        raw = bytes(tensors[0].numpy())
+        return [f"{prefix}:c:{{{raw[i:i + 16].hex()}}}" for i in range(0, len(raw), 16)]
+
+    def stored_pages(self, record_key: str) -> torch.Tensor:
+        """The pages of the transfer whose record waits at ``record_key``, read without taking it."""
+        client = self.redis.client()
+        try:
+            chunks = [codec.decode(client.get(key), max_payload_bytes=1 << 30)[0][1]
+                      for key in self.transfer_chunks(record_key)]
+        finally:
+            client.close()
+        return torch.cat(chunks, dim=1)
 
     def computed_alone(self, prompt: list[int]) -> dict[str, Any]:
         """The decode engine's own answer, computed without Redis or its prefix cache."""
@@ -100,14 +103,13 @@ def test_each_rank_stores_and_loads_its_own_shard(sharded: Sharded) -> None:
     decode_before, prefill_before = sharded.decode.counters(), sharded.prefill.counters()
     for prompt, want in zip(prompts, expected, strict=True):
         params = sharded.prefill_params(prompt)
-        queues = sharded.entry_queues(TP)
-        # One entry per rank: the same prompt (the hash tag) and announced entry id, under two cache
-        # identities (<namespace>:<identity>:{digest}:<entry id>:q).
+        queues = sharded.transfer_records(TP)
+        # One transfer per rank: the same announced transfer id, under two cache identities
+        # (<namespace>:<identity>:t:{<transfer id>}).
         assert len(queues) == TP, queues
-        assert len({queue.split(":")[-2] for queue in queues}) == 1, queues
-        assert len({queue.split(":")[-3] for queue in queues}) == 1, queues
-        assert len({queue.split(":")[-4] for queue in queues}) == TP, queues
-        assert params[TRANSFER_PARAM]["entry"] == queues[0].split(":")[-2], params
+        assert len({queue.split(":")[-1] for queue in queues}) == 1, queues
+        assert len({queue.split(":")[-3] for queue in queues}) == TP, queues
+        assert "{" + params[TRANSFER_PARAM]["entry"] + "}" == queues[0].split(":")[-1], params
         pages = -(-len(prompt) // BLOCK_SIZE)
         shards = []
         for queue in queues:
@@ -126,6 +128,7 @@ def test_each_rank_stores_and_loads_its_own_shard(sharded: Sharded) -> None:
     # Counted by every rank: vLLM adds up the workers' stats.
     delta = wait_counters(sharded.decode, decode_before,
                           {"loaded_requests": TP * len(prompts), "loaded_tokens": TP * loaded})
+    assert delta.pop("loaded_bytes") > 0
     assert delta == {"loaded_requests": TP * len(prompts), "loaded_tokens": TP * loaded}
     sharded.prefill.complete([7], max_tokens=1)  # one more engine step reports the last saves
     delta = wait_counters(sharded.prefill, prefill_before, {"saved_requests": TP * len(prompts)})
@@ -135,19 +138,18 @@ def test_each_rank_stores_and_loads_its_own_shard(sharded: Sharded) -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(240)
 def test_a_lost_shard_makes_the_decode_recompute_the_prompt(sharded: Sharded) -> None:
-    """One rank's entry loses a piece (evicted, say): that rank's load fails, so vLLM computes the whole
-    prompt again and the answer is still right; the other rank's entry is taken, and no key is left."""
-    prompt = prompt_of(1100, seed=3999)  # over 1 MiB a rank: stored as pieces
+    """One rank's first chunk is lost (evicted, say): that rank loads nothing, so vLLM computes the whole
+    prompt again and the answer is still right; the other rank's transfer is taken, and no key is left."""
+    prompt = prompt_of(1100, seed=3999)  # five chunks a rank
     want = tokens_of(sharded.computed_alone(prompt))
     before = sharded.decode.counters()
     params = sharded.prefill_params(prompt)
-    queues = sharded.entry_queues(TP)
+    queues = sharded.transfer_records(TP)
+    chunks = sharded.transfer_chunks(queues[0])
+    assert len(chunks) == 5, chunks
     client = sharded.redis.client()
     try:
-        pieces = sorted(key for key in client.scan_iter(match=queues[0].removesuffix(":q") + ":*")
-                        if not key.endswith(b":q"))
-        assert len(pieces) >= 2, pieces
-        client.delete(pieces[-1])
+        assert client.delete(chunks[0]) == 1
     finally:
         client.close()
     decoded = sharded.decode.complete(prompt, params=params)
@@ -155,5 +157,7 @@ def test_a_lost_shard_makes_the_decode_recompute_the_prompt(sharded: Sharded) ->
     assert cached_tokens(decoded) == 0
     expected = {"load_failures": 1, "failed_tokens": len(prompt) - 1, "loaded_requests": 1,
                 "loaded_tokens": len(prompt) - 1}
-    assert wait_counters(sharded.decode, before, expected) == expected
+    delta = wait_counters(sharded.decode, before, expected)
+    assert delta.pop("loaded_bytes") > 0  # the other rank's
+    assert delta == expected
     assert sharded.stored_keys() == []
