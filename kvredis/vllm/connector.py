@@ -324,7 +324,7 @@ class KVRedisConnector(KVConnectorBase_V1):
     def _plan_of(self, state: _RequestState, tokens: list[int]) -> ChunkPlan:
         """The prompt's chunks, hashed once per request (the scheduler may ask about it every step)."""
         if state.plan is None:
-            state.plan = self.transfers.plan(tokens, state.context)
+            state.plan = _stored_plan(self.transfers, tokens, state.context)
         return state.plan
 
     def _state_of(self, request: Any) -> _RequestState:
@@ -682,9 +682,11 @@ class KVRedisConnector(KVConnectorBase_V1):
             with self._on_device():
                 if copied is not None:
                     copied.wait()  # the step's copies into ``pages`` ran (this thread waits, not the engine)
-                plan = self.transfers.plan(spec.token_ids, spec.context)
+                plan = _stored_plan(self.transfers, spec.token_ids, spec.context)
                 per_block = pages.shape[1] // max(len(self._prompt_blocks(spec)), 1)
-                saved = self.transfers.save(plan, pages, transfer_id=spec.entry_id, pages_per_block=per_block)
+                stored = -(-plan.num_tokens // self._block_size) * per_block  # the last token's block may go
+                saved = self.transfers.save(plan, pages[:, :stored], transfer_id=spec.entry_id,
+                                            pages_per_block=per_block)
         except KVRedisError as exc:
             self.counts.add(save_failures=1)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
@@ -760,7 +762,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         if not self._layers:
             return "no KV caches registered", spec.start
         started = time.perf_counter()
-        plan = self.transfers.plan(spec.token_ids, spec.context)
+        plan = _stored_plan(self.transfers, spec.token_ids, spec.context)
         taken = self.transfers.take(plan, spec.start, spec.stop, self._page_format(),
                                     transfer_id=spec.entry_id)
         loaded = min(spec.stop, taken.stop(plan)) if taken.chunks else spec.start
@@ -896,6 +898,12 @@ class KVRedisConnector(KVConnectorBase_V1):
         if self._discard_pool is not None:
             self._discard_pool.shutdown(wait=False, cancel_futures=True)
         self.buffer.close()
+
+
+def _stored_plan(transfers: Transfers, tokens: list[int], context: str) -> ChunkPlan:
+    """The chunks a prompt is stored as: every position but the last, whose KV no reader uses (vLLM computes
+    a prompt's last token itself), so a prompt of k chunks and one token stores k whole chunks."""
+    return transfers.plan(tokens[:-1], context)
 
 
 def _token_list(tokens: Any) -> list[int]:

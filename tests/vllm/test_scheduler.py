@@ -52,6 +52,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
+from kvredis.config import KVRedisConfig
 from kvredis.keys import new_entry_id
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import connector as connector_module
@@ -510,6 +511,66 @@ def test_local_prefix_hit_and_the_rest_loaded(make_engine) -> None:
     assert_nothing_left(producer, consumer)
 
 
+CHUNK_TOKENS = KVRedisConfig().chunk_tokens
+PAGE_BYTES = len(LAYERS) * HEADS * BLOCK_SIZE * WIDTH * 4  # one block of every layer, float32
+
+
+def test_the_next_turn_moves_only_what_each_side_lacks(make_engine) -> None:
+    """A chat's second turn: the decode, whose prefix cache holds the first turn, reads only the chunk
+    covering the rest (held in part: read whole, written only into the blocks it lacks). Its pages are the
+    prefill's. In transfer mode the first turn's chunks went with its decode, so the prefill writes both."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    first = prompt_of(300, seed=90)
+    consumer.add("c1", first, max_tokens=1, params=producer.produce("p1", first))
+    consumer.finish("c1")
+    producer.assert_empty()
+    consumer.assert_empty()
+    written, read = producer.stats["written_bytes"], consumer.stats["loaded_bytes"]
+    assert producer.stats["written_chunks"] == 2 and read == written  # positions 0..298: two chunks
+
+    second = first + prompt_of(120, seed=91)  # 420 tokens: chunk 0 as the first turn's, chunk 1 new
+    params = producer.produce("p2", second)
+    consumer.add("c2", second, params=params)
+    consumer.run(lambda: "c2" in consumer.new_reqs)
+    local = 9 * BLOCK_SIZE  # the first turn's whole blocks, in the decode's prefix cache
+    assert consumer.block_ids("c2")[:9] == consumer.new_reqs["c1"].block_ids[0][:9]
+    assert consumer.new_reqs["c2"].num_computed_tokens == len(second) - 1
+    assert_pages_moved(producer, consumer, "c2", "p2", 9, -(-(len(second) - 1) // BLOCK_SIZE) - 9)
+    consumer.finish("c2")
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert producer.stats["written_chunks"] == 4 and producer.stats["present_chunks"] == 0
+    lacked = len(second) - 1 - local
+    taken = consumer.stats["loaded_bytes"] - read
+    assert consumer.stats["loaded_tokens"] == (len(first) - 1) + lacked
+    # Chunk 1 only: positions 256..418, six pages (and its tokens and header), within the issue's bound.
+    one_chunk = CHUNK_TOKENS * (PAGE_BYTES // BLOCK_SIZE + 8) + 1024  # pages, token IDs, header
+    assert 6 * PAGE_BYTES < taken <= -(-lacked // BLOCK_SIZE) * PAGE_BYTES + one_chunk
+    assert producer.stats["written_bytes"] - written > taken  # chunk 0 was written, and not read
+    assert_nothing_left(producer, consumer)
+
+
+def test_prompts_sharing_a_prefix_in_flight_at_once_both_load(make_engine) -> None:
+    """Two prompts with a 300-token common prefix, prefilled one after the other (the second finds the
+    prefix's chunk stored and holds it), then decoded: the first decode's release leaves what the second
+    still needs, and the second's deletes it."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prefix = prompt_of(300, seed=92)
+    prompts = {"a": prefix + prompt_of(40, seed=93), "b": prefix + prompt_of(70, seed=94)}
+    params = {name: producer.produce(f"p{name}", prompt) for name, prompt in prompts.items()}
+    producer.assert_empty()
+    assert producer.stats["written_chunks"] == 3 and producer.stats["present_chunks"] == 1
+    for name, prompt in prompts.items():
+        consumer.add(name, prompt, max_tokens=1, params=params[name])
+    consumer.run(lambda: {"a", "b"} <= set(consumer.new_reqs))
+    for name, prompt in prompts.items():
+        assert consumer.new_reqs[name].num_computed_tokens == len(prompt) - 1
+    consumer.finish("a")
+    consumer.finish("b")
+    assert consumer.stats["load_failures"] == 0
+    assert_nothing_left(producer, consumer)
+
+
 # -- failures ---------------------------------------------------------------------------------------
 
 
@@ -529,8 +590,9 @@ def _corrupt_chunk(url: str, namespace: str) -> None:
 def _plant_other_shape(consumer: Engine, prompt: list[int], entry_id: str) -> None:
     """A transfer under the consumer's own keys whose pages have another shape (one layer, half the width)."""
     transfers = consumer.worker.transfers
-    pages = torch.zeros(1, -(-len(prompt) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH // 2)
-    transfers.save(transfers.plan(prompt), pages, transfer_id=entry_id)
+    stored = prompt[:-1]  # the connector stores every position but the last
+    pages = torch.zeros(1, -(-len(stored) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH // 2)
+    transfers.save(transfers.plan(stored), pages, transfer_id=entry_id)
 
 
 @pytest.mark.parametrize("fault", ["missing", "corrupt", "other-shape"])
@@ -784,8 +846,9 @@ def test_multimodal_inputs_are_part_of_the_key(make_engine) -> None:
     assert request_context(again).digest == contexts["cat"]
     # Chunks a producer's worker stores for the cat image are found for the cat only.
     transfers = consumer.worker.transfers
-    transfers.save(transfers.plan(prompt, contexts["cat"]),
-                   torch.zeros(len(LAYERS), -(-len(prompt) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH))
+    stored = prompt[:-1]  # the connector stores every position but the last
+    transfers.save(transfers.plan(stored, contexts["cat"]),
+                   torch.zeros(len(LAYERS), -(-len(stored) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH))
     found = {name: consumer.connector.get_num_new_matched_tokens(request, 0)
              for name, request in requests.items()}
     assert found == {"cat": (59, True), "dog": (0, False), "moved": (0, False), "text": (0, False)}
