@@ -34,6 +34,7 @@ from kvredis import codec
 from kvredis.chunk_keys import ChunkKeys, ChunkPlan
 from kvredis.client import RedisStore
 from kvredis.errors import CodecError, KVRedisError
+from kvredis.resp import RespError
 
 logger = logging.getLogger("kvredis.chunks")
 
@@ -130,24 +131,35 @@ class ChunkStore:
         replies: list[Any] = [None] * len(calls)
         pending = list(range(len(calls)))
         for attempt in range(2):
-            pipe = client.pipeline(transaction=False)
-            for i in pending:
-                keys, args = calls[i]
-                pipe.evalsha(sha, len(keys), *keys, *args)
-            results = pipe.execute(raise_on_error=False)
+            results = self._run(client, [("EVALSHA", sha, len(keys), *keys, *args)
+                                         for keys, args in (calls[i] for i in pending)])
             missing = []
             for i, result in zip(pending, results, strict=True):
-                if isinstance(result, redis.exceptions.NoScriptError) and attempt == 0:
+                no_script = isinstance(result, redis.exceptions.NoScriptError) or "NOSCRIPT" in str(result)
+                if _is_error(result) and no_script and attempt == 0:
                     missing.append(i)
-                elif isinstance(result, Exception):
-                    raise result
+                elif _is_error(result):
+                    _raise(result)
                 else:
                     replies[i] = result
             if not missing:
                 break
-            client.script_load(source)
+            _check(self._run(client, [("SCRIPT", "LOAD", source)]))
             pending = missing
         return replies
+
+    def _run(self, client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """``commands`` in one round trip, their replies (errors among them, not raised). On one server,
+        framed by kvredis (values given as lists of buffers go out unjoined, bulk replies arrive as writable
+        buffers); on a cluster or a stand-in client, through a redis-py pipeline."""
+        if not self.store.cluster:
+            replies = self.store.call(client, *commands)
+            if replies is not None:
+                return replies
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*(b"".join(arg) if isinstance(arg, list) else arg for arg in command))
+        return list(pipe.execute(raise_on_error=False))
 
     # -- presence ---------------------------------------------------------------------------------
 
@@ -160,10 +172,8 @@ class ChunkStore:
         client = self.store.prober if lookup else self.store.redis
         with self.store.guarded(f"looking up {len(digests)} chunks"):
             if holder is None:
-                pipe = client.pipeline(transaction=False)
-                for digest in digests:
-                    pipe.exists(self.keys.chunk(digest))
-                return [bool(int(reply)) for reply in pipe.execute()]
+                replies = _check(self._run(client, [("EXISTS", self.keys.chunk(d)) for d in digests]))
+                return [bool(int(reply)) for reply in replies]
             replies = self._eval_each(client, _HOLD, [(self._pair(digest), [holder, self.ttl_ms])
                                                       for digest in digests])
             return [bool(int(reply)) for reply in replies]
@@ -201,12 +211,39 @@ class ChunkStore:
         either way."""
         if not chunks:
             return []
-        blobs = [(plan.digests[index], self.encode(plan, index, pages).to_bytes()) for index, pages in chunks]
+        blobs = [(plan.digests[index], self.encode(plan, index, pages)) for index, pages in chunks]
         client = self.store.redis
         with self.store.guarded(f"writing {len(blobs)} chunks"):
-            replies = self._eval_each(client, _WRITE, [(self._pair(digest), [blob, self.ttl_ms, holder or ""])
-                                                       for digest, blob in blobs])
-            return [len(blob) if int(reply) else 0 for (_, blob), reply in zip(blobs, replies, strict=True)]
+            replies = None if self.store.cluster else self._write_framed(client, blobs, holder)
+            if replies is None:
+                # A script per chunk: one slot each, whatever node holds it (values pass through Lua: slower).
+                calls = [(self._pair(digest), [[blob.header, *blob.payload], self.ttl_ms, holder or ""])
+                         for digest, blob in blobs]
+                replies = [bool(int(reply)) for reply in self._eval_each(client, _WRITE, calls)]
+            return [blob.nbytes if _ok(reply) else 0 for (_, blob), reply in zip(blobs, replies, strict=True)]
+
+    def _write_framed(self, client: Any, blobs: list[tuple[str, codec.Encoded]],
+                      holder: str | None) -> list[Any] | None:
+        """:meth:`write` on one server, framed by kvredis: a transaction per chunk, SET NX (the value as its
+        header and payload buffers, never joined nor passed through Lua) and the hold together, so no release
+        comes between them. Each SET's reply; ``None`` for a stand-in client."""
+        commands: list[tuple[Any, ...]] = []
+        for digest, blob in blobs:
+            key, holders = self._pair(digest)
+            value = [blob.header, *blob.payload]
+            if holder is None:
+                commands.append(("SET", key, value, "NX", "PX", self.ttl_ms))
+                continue
+            commands += [("MULTI",), ("SET", key, value, "NX", "PX", self.ttl_ms), ("SADD", holders, holder),
+                         ("PEXPIRE", holders, self.ttl_ms), ("PEXPIRE", key, self.ttl_ms), ("EXEC",)]
+        replies = self.store.call(client, *commands)
+        if replies is None:
+            return None
+        _check(replies)
+        if holder is None:
+            return replies
+        executed = replies[5::6]  # EXEC's: [SET's, SADD's, PEXPIRE's, PEXPIRE's]
+        return _check([reply[0] if isinstance(reply, list) else reply for reply in executed])
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -219,23 +256,18 @@ class ChunkStore:
         keys = [self.keys.chunk(plan.digests[index]) for index in indexes]
         client = self.store.redis
         with self.store.guarded(f"reading {len(keys)} chunks"):
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                if refresh_ttl:
-                    pipe.getex(key, px=self.ttl_ms)
-                else:
-                    pipe.get(key)
-            values = pipe.execute(raise_on_error=False)
+            commands = [("GETEX", key, "PX", self.ttl_ms) if refresh_ttl else ("GET", key) for key in keys]
+            values = self._run(client, commands)
             for value in values:  # raised here, to be named as the Redis error it is
-                if isinstance(value, Exception) and "WRONGTYPE" not in str(value):
-                    raise value
+                if _is_error(value) and "WRONGTYPE" not in str(value):
+                    _raise(value)
         reads = []
         bad: list[str] = []
         for index, key, value in zip(indexes, keys, values, strict=True):
             if value is None:
                 reads.append(ChunkRead(index, None, "absent"))
                 continue
-            if isinstance(value, Exception):  # WRONGTYPE: a list or set planted at a chunk's key
+            if _is_error(value):  # WRONGTYPE: a list or set planted at a chunk's key
                 read = ChunkRead(index, None, "foreign")
             else:
                 read = self._check(plan, index, value, page_format)
@@ -295,3 +327,31 @@ class ChunkStore:
         except KVRedisError as exc:
             logger.debug("could not delete %d unusable chunks (they expire with their TTL): %s", len(keys),
                          exc)
+
+
+def _is_error(reply: Any) -> bool:
+    """Whether ``reply`` is an error reply (kvredis's framing or redis-py's)."""
+    return isinstance(reply, (RespError, redis.exceptions.RedisError))
+
+
+def _raise(reply: Any) -> None:
+    """Raise an error reply as redis-py would have, so that the guard names it (NOPERM, WRONGTYPE...)."""
+    if isinstance(reply, redis.exceptions.RedisError):
+        raise reply
+    text = str(reply)
+    if text.startswith("NOPERM"):
+        raise redis.exceptions.NoPermissionError(text)
+    raise redis.exceptions.ResponseError(text)
+
+
+def _check(replies: list[Any]) -> list[Any]:
+    """``replies``, once none of them is an error (the first one is raised)."""
+    for reply in replies:
+        if _is_error(reply):
+            _raise(reply)
+    return replies
+
+
+def _ok(reply: Any) -> bool:
+    """Whether a SET's reply says it stored the value (``NX`` answers nil when the key was there)."""
+    return reply is True or reply in ("OK", b"OK")

@@ -401,7 +401,7 @@ class RedisStore:
             raise
         self._checkin(pool, connection, sock, failed=False)
 
-    def _call(self, client: Any, *commands: Sequence[resp.Argument]) -> list[Any] | None:
+    def call(self, client: Any, *commands: Sequence[resp.Argument]) -> list[Any] | None:
         """:func:`resp.call` on a kept connection of ``client``; ``None`` for a stand-in client (fakeredis),
         whose commands go through redis-py. What :meth:`_socket` does, without a context manager: a small
         entry's round trip feels each layer."""
@@ -461,7 +461,7 @@ class RedisStore:
             [record] if isinstance(record, (bytes, bytearray, memoryview)) else list(record))
         with self._guard(f"storing record in {queue}"):
             if not self.cluster:
-                replies = self._call(self.redis, ("MULTI",), ("RPUSH", queue, parts),
+                replies = self.call(self.redis, ("MULTI",), ("RPUSH", queue, parts),
                                      ("PEXPIRE", queue, ttl_ms), ("EXEC",))
                 if replies is not None:
                     _raise_first(replies)
@@ -480,7 +480,7 @@ class RedisStore:
         wait = max(timeout_s, 0.001)  # BLPOP 0 would wait forever
         with self._guard(f"BLPOP {queue}"):
             if not self.cluster:
-                replies = self._call(self._popper, ("BLPOP", queue, f"{wait:.3f}"))
+                replies = self.call(self._popper, ("BLPOP", queue, f"{wait:.3f}"))
                 if replies is not None:
                     _raise_first(replies)
                     (reply,) = replies
@@ -501,7 +501,7 @@ class RedisStore:
         """How many records wait in ``queue`` (no side effect)."""
         with self._guard(f"LLEN {queue}"):
             if not self.cluster:
-                replies = self._call(self._prober, ("LLEN", queue))
+                replies = self.call(self._prober, ("LLEN", queue))
                 if replies is not None:
                     _raise_first(replies)
                     return int(replies[0])

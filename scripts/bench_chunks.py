@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""A whole prompt's KV through Redis as chunks (the vLLM connector's path) against the lookup buffer's one
+entry (the previous path, still the V0 layer's), in the same run, on the same Redis.
+
+For each size: ``Transfers.save`` then ``Transfers.take`` of every position (announced, so the take waits for
+the record and releases the chunks), and ``RedisLookupBuffer.insert`` then ``take`` of the same pages; the
+median round trip of ``--repeat`` and the ratio chunks / entry. Pages have a Llama-3-8B shape (32 layers, 8
+KV heads of 128, bf16: 128 KiB a token, 2 MiB a 16-token block): 64 KiB is one token's half in 16 layers,
+128 MiB is 1,024 tokens.
+
+    python scripts/bench_chunks.py                      # a redis-server of its own on a free port
+    python scripts/bench_chunks.py --url redis://127.0.0.1:6379/0 --chunk-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from kvredis.buffer import RedisLookupBuffer  # noqa: E402
+from kvredis.chunk_store import PageFormat  # noqa: E402
+from kvredis.config import KVRedisConfig  # noqa: E402
+from kvredis.keys import new_entry_id  # noqa: E402
+from kvredis.transfer import Transfers  # noqa: E402
+
+BLOCK = 16
+
+
+def sizes() -> dict[str, tuple[int, PageFormat]]:
+    """Name -> (prompt tokens, page format) of each measured size."""
+    return {
+        "64 KiB": (1, PageFormat(torch.bfloat16, 16, (2 * 8, 1, 128))),  # one position, its own "block"
+        "128 MiB": (1024, PageFormat(torch.bfloat16, 32, (2 * 8, BLOCK, 128))),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="a Redis of yours (default: start one on a free port)")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--chunk-tokens", type=int, default=KVRedisConfig().chunk_tokens)
+    args = parser.parse_args()
+    server = None
+    url = args.url
+    if url is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                                   "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL)
+        url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(100):
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+    config = KVRedisConfig.from_env({}, {"url": url, "namespace": "bench-chunks", "pop_timeout_s": 30})
+    buffer = RedisLookupBuffer(config)
+    try:
+        print(f"whole-prompt round trip (write, then read), median of {args.repeat}; chunks of "
+              f"{args.chunk_tokens} tokens")
+        print(f"  {'size':>8} {'entry ms':>9} {'chunks ms':>10} {'chunks/entry':>13}")
+        for name, (tokens, page_format) in sizes().items():
+            block = page_format.page_shape[1]
+            chunk_tokens = max(args.chunk_tokens // block, 1) * block
+            transfers = Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=chunk_tokens,
+                                  block_size=block, ttl_ms=600_000, pop_timeout_s=30,
+                                  max_chunk_bytes=1 << 31)
+            prompt = list(range(tokens))
+            pages = torch.randn(page_format.shape(-(-tokens // block))).to(page_format.dtype)
+            entry, chunked = [], []
+            for _ in range(args.repeat):
+                started = time.perf_counter()
+                buffer.insert(torch.tensor(prompt), None, pages, None, None)
+                got, cause = buffer.take(torch.tensor(prompt), None)
+                entry.append(time.perf_counter() - started)
+                assert got is not None and torch.equal(got[2], pages), cause
+                started = time.perf_counter()
+                plan = transfers.plan(prompt)
+                transfer = new_entry_id()
+                transfers.save(plan, pages, transfer_id=transfer)
+                taken = transfers.take(plan, 0, tokens, page_format, transfer_id=transfer)
+                chunked.append(time.perf_counter() - started)
+                assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages)
+            e, c = statistics.median(entry), statistics.median(chunked)
+            print(f"  {name:>8} {1000 * e:>9.2f} {1000 * c:>10.2f} {c / e:>13.2f}")
+        left = list(buffer.store.scan("bench-chunks:*"))
+        assert not left, f"keys left: {left[:5]}"
+    finally:
+        buffer.close()
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
