@@ -4,9 +4,10 @@
 as the leader of its own process group with its output in a log file, and waits for each phase's health
 checks within their bounds. A child that exits or stays unhealthy raises :class:`ChildFailed`, naming it
 and quoting the end of its log, after everything started is stopped. Stopping goes the last phase first:
-SIGTERM to each process group (so the processes a child starts get it too), then SIGKILL to what is left
-after a grace period. :func:`stop_signals` turns SIGINT and SIGTERM into :class:`StopRequested` so that a
-stop always runs to its end.
+SIGTERM to each child, which stops the processes it started in its own order (a service manager does the
+same); SIGTERM to the rest of its process group once the child has exited, if some of it is left; SIGKILL
+to the whole group after a grace period. :func:`stop_signals` turns SIGINT and SIGTERM into
+:class:`StopRequested` so that a stop always runs to its end.
 
 Children die with the supervisor, however it dies. Each group is listed with a watchdog process
 (:mod:`kvredis.watchdog`) that holds a pipe from the supervisor and stops every listed group when the pipe
@@ -145,6 +146,10 @@ class Child:
     log_path: Path
     started_at: float
     ready_after_s: float | None = None
+    stopped_after_s: float | None = None
+    """Seconds from the stop's SIGTERM until no process of the child's group ran (set by a stop)."""
+    killed: bool = False
+    """The stop sent SIGKILL: the group still ran after the grace period."""
 
     @property
     def pid(self) -> int:
@@ -260,7 +265,8 @@ class Supervisor:
             raise child_failed(child.spec.role, f"exited with {_exit_status(code)}", child.log_path)
 
     def stop(self) -> None:
-        """Stop every child, the last phase first: SIGTERM to its group, SIGKILL after the grace period."""
+        """Stop every child, the last phase first: SIGTERM to it (and to what it leaves of its group), SIGKILL
+        to its group after the grace period."""
         if self.stopped:
             return
         self.stopped = True
@@ -271,20 +277,39 @@ class Supervisor:
         for phase in reversed(self._started):
             self._stop_phase(phase)
         self._stop_watchdog()
+        if self.children:
+            self._say("stopped " + ", ".join(
+                f"{child.spec.role} ({_stop_took(child)})" for child in reversed(self.children)))
 
     def _stop_phase(self, children: Sequence[Child]) -> None:
+        # The child alone, not its group: a vLLM API server stops its engine core, and the engine core its
+        # workers. Signalled all at once, they exit by themselves while their parent is stopping them, and
+        # vLLM 0.32's API server fails its shutdown on a process that vanishes under it (psutil's
+        # NoSuchProcess out of kill_process_tree): its HTTP server then runs on until SIGKILL.
         for child in children:
-            signal_group(child.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_s
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        deadline = signalled + self.stop_grace_s
         pending = list(children)
+        orphans_signalled: set[int] = set()
         while pending:
-            pending = [c for c in pending if c.process.poll() is None or group_alive(c.pid)]
+            still = [c for c in pending if c.process.poll() is None or group_alive(c.pid)]
+            for child in pending:
+                if child not in still:
+                    child.stopped_after_s = time.monotonic() - signalled
+                elif child.process.poll() is not None and child.pid not in orphans_signalled:
+                    # The child exited and left processes of its group behind.
+                    orphans_signalled.add(child.pid)
+                    signal_group(child.pid, signal.SIGTERM)
+            pending = still
             if not pending or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         for child in pending:
             self._say(f"{child.spec.role} (pid {child.pid}) still running {self.stop_grace_s:g} s after "
                       "SIGTERM: killing its process group")
+            child.killed = True
             signal_group(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + _KILL_WAIT_S
         for child in pending:
@@ -294,6 +319,8 @@ class Supervisor:
                 time.sleep(0.05)
             if child.process.poll() is None or group_alive(child.pid):
                 self._say(f"warning: process group {child.pid} of {child.spec.role} survived SIGKILL")
+            else:
+                child.stopped_after_s = time.monotonic() - signalled
         for child in children:
             if child.process.poll() is not None and not group_alive(child.pid):
                 self._tell_watchdog(f"-{child.pid}")
@@ -364,6 +391,13 @@ def _parent_death_signal() -> Callable[[], None] | None:
             os._exit(1)
 
     return set_signal
+
+
+def _stop_took(child: Child) -> str:
+    if child.stopped_after_s is None:
+        return "still running"
+    how = ", after SIGKILL" if child.killed else ""
+    return f"{child.stopped_after_s:.1f} s{how}"
 
 
 def _exit_status(code: int) -> str:

@@ -54,7 +54,57 @@ def test_starts_phases_and_stops_every_process_and_grandchild(tmp_path: Path) ->
     assert_all_gone(pids + grandchildren)
     assert not any(group_alive(pid) for pid in pids)
     assert all(child.process.returncode is not None for child in supervisor.children)
+    # The stand-ins exit at SIGTERM leaving their grandchildren; SIGTERM to the rest of the group stops them.
+    for child in supervisor.children:
+        assert not child.killed
+        assert child.stopped_after_s is not None and child.stopped_after_s < BOUND_S
     supervisor.stop()  # idempotent
+
+
+# A server that stops its grandchild itself at SIGTERM, as vLLM's API server stops its engine core; the
+# grandchild (RECORDS_ITS_SIGTERM) writes down who sent it SIGTERM.
+STOPS_ITS_GRANDCHILD = textwrap.dedent("""
+    import http.server, signal, subprocess, sys
+    port, grandchild_script, senders = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    grandchild = subprocess.Popen([sys.executable, grandchild_script, senders], stdout=subprocess.PIPE)
+    grandchild.stdout.readline()  # its SIGTERM is blocked from now on
+    print("grandchild", grandchild.pid, flush=True)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *args):
+            pass
+    def stop(*_):
+        grandchild.terminate(); grandchild.wait(); sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+""")
+RECORDS_ITS_SIGTERM = textwrap.dedent("""
+    import signal, sys
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    print("ready", flush=True)
+    info = signal.sigwaitinfo({signal.SIGTERM})
+    with open(sys.argv[1], "a") as senders:
+        senders.write(f"{info.si_pid}\\n")
+""")
+
+
+def test_sigterm_goes_to_the_child_which_stops_what_it_started(tmp_path: Path) -> None:
+    """vLLM's API server stops its engine core itself; signalled at once by the supervisor too, the engine
+    core exited while the API server was killing it, which failed vLLM's shutdown (issue 26)."""
+    (port,) = free_ports(1)
+    script, grandchild, senders = tmp_path / "server.py", tmp_path / "grandchild.py", tmp_path / "senders"
+    script.write_text(STOPS_ITS_GRANDCHILD)
+    grandchild.write_text(RECORDS_ITS_SIGTERM)
+    url = f"http://127.0.0.1:{port}"
+    spec = ChildSpec("engine", [sys.executable, str(script), str(port), str(grandchild), str(senders)], url,
+                     lambda: http_ok(url + "/health"), startup_timeout_s=BOUND_S)
+    with Supervisor([[spec]], tmp_path / "logs", stop_grace_s=BOUND_S) as supervisor:
+        child = supervisor.children[0]
+        grandchild_started = grandchild_pid(child.log_path)
+    assert_all_gone([child.pid, grandchild_started])
+    assert senders.read_text().split() == [str(child.pid)]  # from its parent only, not from the supervisor
+    assert not child.killed and child.stopped_after_s is not None and child.stopped_after_s < BOUND_S
 
 
 def test_a_group_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
@@ -67,6 +117,7 @@ def test_a_group_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Pat
     supervisor.stop()
     assert time.monotonic() - began < BOUND_S
     assert_all_gone([leader, grandchild])
+    assert supervisor.children[0].killed
 
 
 def test_a_child_exiting_at_start_stops_the_others_and_is_named_with_its_log_tail(tmp_path: Path) -> None:

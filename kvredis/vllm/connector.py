@@ -156,6 +156,7 @@ class _RequestState:
     unsupported: str | None
     remote_decode: bool
     announcement: _Announcement | None
+    transfer_params: bool = False  # the request carried kv_transfer_params (a proxy's, or a client's own)
     external_stop: int = 0  # the last lookup's answer: positions up to this one can be loaded
     plan: ChunkPlan | None = None  # the prompt's chunks, hashed at its first lookup
 
@@ -257,6 +258,7 @@ class KVRedisConnector(KVConnectorBase_V1):
         self._loaded_once: set[str] = set()
         self._prefills: dict[str, _Prefill] = {}
         self._saved: dict[str, str | None] = {}  # request id -> the entry id its save was given
+        self._stored_any = False  # a prefill was handed to the writers (the producer is not silent)
         self._adapters = AdapterDigests()
         self._warned: set[tuple[str, ...]] = set()
         parallel = vllm_config.parallel_config
@@ -335,7 +337,8 @@ class KVRedisConnector(KVConnectorBase_V1):
             params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
             state = self._requests[request.request_id] = _RequestState(
                 context.digest, context.unsupported, bool(params.get("do_remote_decode")),
-                self._announcement(request, params, context.digest) if self._consumer else None)
+                self._announcement(request, params, context.digest) if self._consumer else None,
+                bool(params))
             if context.unsupported:
                 self.counts.add(skipped_requests=1)
                 self._warn_once(("unsupported", context.unsupported),
@@ -471,13 +474,25 @@ class KVRedisConnector(KVConnectorBase_V1):
             # A one-token prompt has nothing a decoder could load (it computes the last token itself); a
             # request already saved comes back here when vLLM 0.34 resumes it after preemption.
             state = self._requests.get(new.req_id)
-            if (new.prompt_token_ids is not None and len(new.prompt_token_ids) > 1
-                    and new.req_id not in self._loaded_once and new.req_id not in self._saved
-                    and state is not None and not state.unsupported
-                    and (state.remote_decode or self.config.store_all_prompts)):
+            if (new.prompt_token_ids is None or len(new.prompt_token_ids) <= 1
+                    or new.req_id in self._loaded_once or new.req_id in self._saved
+                    or state is None or state.unsupported):
+                continue
+            if state.remote_decode or self.config.store_all_prompts:
+                self._stored_any = True
                 self._prefills[new.req_id] = _Prefill(
                     _token_list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens),
                     state.context, new_entry_id() if state.remote_decode else None)
+            elif not self._stored_any and not state.transfer_params:
+                # vLLM's offline flow (its LLM class, no proxy): no request asks for a remote decode, so
+                # nothing would ever reach Redis and the consumer would compute every prompt, unwarned.
+                self._warn_once(
+                    ("nothing stored",),
+                    "request %s: its prompt is not stored in Redis: it did not ask for a remote decode "
+                    "(kv_transfer_params do_remote_decode, which kvredis's proxy sets) and store_all_prompts "
+                    "is off, so this producer has stored nothing yet. Without a proxy (vLLM's LLM class, "
+                    "requests sent to the producer directly) set KVREDIS_STORE_ALL_PROMPTS=1 or "
+                    "\"store_all_prompts\": true in kv_connector_extra_config", new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             prefill = self._prefills.get(req_id)

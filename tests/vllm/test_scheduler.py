@@ -920,6 +920,41 @@ def test_a_producer_stores_only_prompts_a_decode_will_ask_for(make_engine) -> No
         engine.assert_empty()
 
 
+def test_a_producer_that_stores_nothing_says_so_once_naming_the_setting(make_engine, caplog) -> None:
+    """vLLM's offline flow (its LLM class, no proxy): no request asks for a remote decode, so nothing is
+    stored. The producer says so once, naming store_all_prompts; not where it has stored a prompt already
+    (a proxy's traffic, with a direct request beside it), nor with store_all_prompts."""
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "has stored nothing" in r.getMessage()]
+
+    offline = make_engine("kv_producer")
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        for req_id in ("offline-1", "offline-2"):
+            offline.add(req_id, prompt_of(50, seed=45), max_tokens=2)
+            assert offline.finish(req_id).kv_transfer_params is None
+    assert len(said()) == 1, said()
+    assert "request offline-1:" in said()[0]
+    assert "KVREDIS_STORE_ALL_PROMPTS=1" in said()[0] and '"store_all_prompts": true' in said()[0]
+    assert "kv_connector_extra_config" in said()[0]
+    offline.wait_saved()
+    assert redis_keys(offline.redis_url, offline.namespace) == []
+    offline.assert_empty()
+
+    caplog.clear()
+    proxied, stores_all = make_engine("kv_producer"), make_engine("kv_producer", store_all_prompts=True)
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        assert proxied.produce("proxied", prompt_of(50, seed=46))[TRANSFER_PARAM]["entry"]
+        proxied.add("direct", prompt_of(50, seed=47), max_tokens=2)
+        assert proxied.finish("direct").kv_transfer_params is None
+        stores_all.add("stored", prompt_of(50, seed=48), max_tokens=2)
+        stores_all.finish("stored")
+        stores_all.wait_saved()
+    assert said() == []
+    stores_all.step()  # a writer thread's save is counted with the next step
+    assert stores_all.stats["saved_requests"] == 1
+
+
 def test_a_decode_takes_its_own_entry_not_an_older_one(make_engine) -> None:
     """Two prefills of one prompt: the first one's client went away. The decode announced with the second
     transfer takes that one at once; the chunks, which the second prefill found stored and did not write
