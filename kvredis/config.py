@@ -275,7 +275,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Longest a reader waits for an entry that is not there yet (blocking pop)."),
     Setting("chunk_bytes", _chunk_size, 1 << 20,
             "Payloads larger than this are split into pieces of this size (4 KiB-256 MiB; `1MiB` works)."),
-    Setting("chunk_tokens", _chunk_tokens, 256,
+    Setting("chunk_tokens", _chunk_tokens, 64,
             "Prompt positions a stored KV chunk covers (rounded up to whole KV blocks): a decode reads and a "
             "prefill writes whole chunks, and prompts share the chunks of a common prefix."),
     Setting("inflight_bytes", _size, 4 << 20,
@@ -346,7 +346,7 @@ class KVRedisConfig:
     ttl_s: float = 300.0
     pop_timeout_s: float = 5.0
     chunk_bytes: int = 1 << 20
-    chunk_tokens: int = 256
+    chunk_tokens: int = 64
     inflight_bytes: int = 4 << 20
     write_batch_bytes: int = 16 << 20
     max_entry_bytes: int = 8 << 30

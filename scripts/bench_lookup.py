@@ -4,8 +4,9 @@
 vLLM's scheduler asks the connector, for every request without an announcement, how many of its tokens Redis
 holds: kvredis hashes the prompt's chunk chain and asks which chunks exist, in one round trip. This times
 that call (``ChunkPlan.of`` + ``ChunkStore.stored_prefix`` on the lookup client) for prompts of 1 and 1,000
-tokens and more, with a store of ``--stored`` chunks, and the same EXISTS commands pre-encoded and sent on a
-raw socket to the same Redis (the round trip's floor), and prints the medians and their ratio.
+tokens and more, with a store of ``--stored`` chunks (of ``--chunk-tokens``, the default's), and the same
+EXISTS commands pre-encoded and sent on a raw socket to the same Redis (the round trip's floor), and prints
+the medians and their ratio.
 
     python scripts/bench_lookup.py                      # a redis-server of its own on a free port
     python scripts/bench_lookup.py --url redis://127.0.0.1:6379/0
@@ -34,7 +35,7 @@ from kvredis.client import RedisStore  # noqa: E402
 from kvredis.config import KVRedisConfig  # noqa: E402
 from kvredis.resp import frame  # noqa: E402
 
-CHUNK_TOKENS, BLOCK_SIZE = 256, 16
+BLOCK_SIZE = 16
 
 
 def raw_exists(sock: socket.socket, commands: bytes, replies: int) -> None:
@@ -58,7 +59,9 @@ def main() -> int:
     parser.add_argument("--url", help="a Redis of yours (default: start one on a free port)")
     parser.add_argument("--stored", type=int, default=10_000, help="chunks in the store (default 10,000)")
     parser.add_argument("--repeat", type=int, default=2000)
+    parser.add_argument("--chunk-tokens", type=int, default=KVRedisConfig().chunk_tokens)
     args = parser.parse_args()
+    chunk_tokens = args.chunk_tokens
 
     server = None
     url = args.url
@@ -80,20 +83,20 @@ def main() -> int:
                         max_chunk_bytes=1 << 20)
     try:
         # The store: --stored chunks of other prompts (1 KiB each), then the prompts looked up.
-        filler = ChunkPlan.of(list(range(args.stored * CHUNK_TOKENS)), CHUNK_TOKENS)
-        pages = torch.zeros(1, CHUNK_TOKENS // BLOCK_SIZE, 1, BLOCK_SIZE, 1)
+        filler = ChunkPlan.of(list(range(args.stored * chunk_tokens)), chunk_tokens)
+        pages = torch.zeros(1, chunk_tokens // BLOCK_SIZE, 1, BLOCK_SIZE, 1)
         for start in range(0, args.stored, 500):
             chunks.write(filler, [(i, pages) for i in range(start, min(start + 500, args.stored))])
         parts = urlsplit(url)
         sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        print(f"lookup of a prompt's chunks ({CHUNK_TOKENS} tokens each), {args.stored:,} chunks stored, "
+        print(f"lookup of a prompt's chunks ({chunk_tokens} tokens each), {args.stored:,} chunks stored, "
               f"median of {args.repeat}:")
         print(f"  {'tokens':>7} {'chunks':>6} {'kvredis µs':>11} {'hash µs':>8} {'raw EXISTS µs':>14} "
               f"{'ratio':>6}")
         for length in (1, 1000, 8000, 32000):
             tokens = list(range(7, 7 + length))
-            stored = ChunkPlan.of(tokens, CHUNK_TOKENS)
+            stored = ChunkPlan.of(tokens, chunk_tokens)
             half = stored.num_chunks // 2
             chunks.write(stored, [(i, pages[:, :-(-(stored.span(i)[1] - stored.span(i)[0]) // BLOCK_SIZE)])
                                   for i in range(max(half, 1))])
@@ -102,7 +105,7 @@ def main() -> int:
             timed, hashed, raw = [], [], []
             for _ in range(args.repeat):
                 started = time.perf_counter()
-                plan = ChunkPlan.of(tokens, CHUNK_TOKENS)
+                plan = ChunkPlan.of(tokens, chunk_tokens)
                 digests = plan.digests
                 middle = time.perf_counter()
                 found = chunks.stored_prefix(digests)

@@ -54,9 +54,13 @@ class Turn:
 
 
 def counters(url: str, namespace: str) -> dict[str, float]:
+    """kvredis's samples of the namespace, and the connector's counters summed over their labels."""
     text = fetch_metrics(url)
-    return {**parse_samples(text, "kvredis_", {"namespace": namespace}),
-            **parse_samples(text, "vllm:kvredis_", {})}
+    totals = parse_samples(text, "kvredis_", {"namespace": namespace})
+    for key, value in parse_samples(text, "vllm:kvredis_", {}).items():
+        name = key.split("{", 1)[0]
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
 
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> int:
@@ -104,12 +108,15 @@ def converse(proxy_url: str, prefill_url: str, decode_url: str, namespace: str, 
 
 @contextlib.contextmanager
 def engines_running(code: Path) -> Iterator[None]:
-    """The stack's engines and proxy import kvredis from ``code`` (their environment's PYTHONPATH)."""
-    previous = os.environ.get("PYTHONPATH")
+    """The stack's engines and proxy import kvredis from ``code``: on their PYTHONPATH, and their working
+    directory (``python -m`` puts it first on sys.path, before PYTHONPATH)."""
+    previous, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), previous]))
+    os.chdir(code)
     try:
         yield
     finally:
+        os.chdir(cwd)
         if previous is None:
             del os.environ["PYTHONPATH"]
         else:
@@ -163,7 +170,7 @@ def main() -> int:
     results["after"] = run("after", REPO, model, work, args)
 
     token_bytes = args.layers * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
-    chunk_tokens = -(-KVRedisConfig().chunk_tokens // BLOCK_SIZE) * BLOCK_SIZE
+    chunk_tokens = -(-KVRedisConfig.from_env().chunk_tokens // BLOCK_SIZE) * BLOCK_SIZE
     # A whole chunk as stored: its pages, its token IDs (8 bytes each) and a header under 1 KiB.
     chunk_bytes = chunk_tokens * (token_bytes + 8) + 1024
     print(f"\n{args.turns}-turn chat, {args.words} new words a turn, {args.answer_tokens}-token answers; "

@@ -19,7 +19,7 @@ EXPECTED_DEFAULTS = {
     "ttl_s": 300.0,
     "pop_timeout_s": 5.0,
     "chunk_bytes": 1 << 20,
-    "chunk_tokens": 256,
+    "chunk_tokens": 64,
     "inflight_bytes": 4 << 20,
     "write_batch_bytes": 16 << 20,
     "max_entry_bytes": 8 << 30,

@@ -25,6 +25,7 @@ import torch
 from conftest import BLOCK_SIZE
 from redis_servers import RedisServer, free_port, wait_until
 
+from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.stack import engine_cpu_binds
 from kvredis.tinymodel import prompt_text
@@ -168,6 +169,19 @@ class Disaggregated:
         """The lists holding a transfer's record, once there are ``count`` (the prefill writes after
         answering, and pushes the record last)."""
         return self._wait_for_keys(f"{self.namespace}:*:t:*", count, timeout_s, lambda c, k: bool(c.llen(k)))
+
+    def transfer_chunks(self, record_key: str) -> list[str]:
+        """The chunk keys a transfer's record names (the record is ``<prefix>:t:{<id>}``, a chunk
+        ``<prefix>:c:{<digest>}``)."""
+        prefix = record_key.rsplit(":t:", 1)[0]
+        client = self.redis.client()
+        try:
+            tensors, meta = codec.decode(client.lindex(record_key, 0), max_payload_bytes=1 << 20)
+        finally:
+            client.close()
+        assert "{" + meta["id"] + "}" == record_key.rsplit(":", 1)[1], (record_key, meta)
+        raw = bytes(tensors[0].numpy())
+        return [f"{prefix}:c:{{{raw[i:i + 16].hex()}}}" for i in range(0, len(raw), 16)]
 
     def stored_chunks(self, count: int = 1, timeout_s: float = 10.0) -> list[str]:
         """The keys of stored chunks (not their holders' sets), once there are ``count``."""

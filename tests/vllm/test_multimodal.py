@@ -41,6 +41,7 @@ from engine_servers import (
 from PIL import Image
 from redis_servers import wait_until
 
+from kvredis.config import KVRedisConfig
 from kvredis.tinymodel import IMAGE_TOKEN_ID, prompt_text, write_tiny_blip2
 
 START_TIMEOUT_S = 600.0  # three engines on two cores: 1-3 minutes, more when the VM stalls
@@ -170,7 +171,8 @@ def test_an_entry_is_found_only_by_a_request_with_its_image(vlm: Multimodal) -> 
     want_c, want_e = ask(vlm, vlm.reference, c, text), ask(vlm, vlm.reference, e, text)
     assert want_c.tokens != want_e.tokens
     ask(vlm, vlm.prefill, c, text, max_tokens=1)  # no decode behind it: stored for any request of its key
-    (queue_c,) = vlm.stored_chunks(1, timeout_s=90)
+    chunks = -(-(QUERY_TOKENS + TEXT_TOKENS - 1) // KVRedisConfig().chunk_tokens)  # a prompt's, stored
+    chunks_c = vlm.stored_chunks(chunks, timeout_s=90)
     left = vlm.stored_keys()
     before = vlm.decode.counters()
     got = ask(vlm, vlm.decode, e, text)
@@ -178,8 +180,8 @@ def test_an_entry_is_found_only_by_a_request_with_its_image(vlm: Multimodal) -> 
     assert vlm.stored_keys() == left, "C's entry was touched by a request with image E"
     # Now E's prompt is stored too: the same tokens, two keys.
     ask(vlm, vlm.prefill, e, text, max_tokens=1)
-    queues = vlm.stored_chunks(2, timeout_s=90)
-    assert len(queues) == 2 and queue_c in queues, queues
+    queues = vlm.stored_chunks(2 * chunks, timeout_s=90)
+    assert len(queues) == 2 * chunks and set(chunks_c) <= set(queues), queues
     got = ask(vlm, vlm.decode, c, text)
     assert got.tokens == want_c.tokens and loaded_whole(got), got.cached_tokens
     # E's first two blocks are in the decode's own prefix cache (it computed E above); the rest is loaded.

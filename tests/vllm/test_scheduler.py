@@ -52,7 +52,6 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
-from kvredis.config import KVRedisConfig
 from kvredis.keys import new_entry_id
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import connector as connector_module
@@ -511,7 +510,7 @@ def test_local_prefix_hit_and_the_rest_loaded(make_engine) -> None:
     assert_nothing_left(producer, consumer)
 
 
-CHUNK_TOKENS = KVRedisConfig().chunk_tokens
+CHUNK_TOKENS = 256  # the two tests below count chunks and pages at this length (not the default)
 PAGE_BYTES = len(LAYERS) * HEADS * BLOCK_SIZE * WIDTH * 4  # one block of every layer, float32
 
 
@@ -519,7 +518,8 @@ def test_the_next_turn_moves_only_what_each_side_lacks(make_engine) -> None:
     """A chat's second turn: the decode, whose prefix cache holds the first turn, reads only the chunk
     covering the rest (held in part: read whole, written only into the blocks it lacks). Its pages are the
     prefill's. In transfer mode the first turn's chunks went with its decode, so the prefill writes both."""
-    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    producer = make_engine("kv_producer", chunk_tokens=CHUNK_TOKENS)
+    consumer = make_engine("kv_consumer", chunk_tokens=CHUNK_TOKENS)
     first = prompt_of(300, seed=90)
     consumer.add("c1", first, max_tokens=1, params=producer.produce("p1", first))
     consumer.finish("c1")
@@ -554,7 +554,8 @@ def test_prompts_sharing_a_prefix_in_flight_at_once_both_load(make_engine) -> No
     """Two prompts with a 300-token common prefix, prefilled one after the other (the second finds the
     prefix's chunk stored and holds it), then decoded: the first decode's release leaves what the second
     still needs, and the second's deletes it."""
-    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    producer = make_engine("kv_producer", chunk_tokens=CHUNK_TOKENS)
+    consumer = make_engine("kv_consumer", chunk_tokens=CHUNK_TOKENS)
     prefix = prompt_of(300, seed=92)
     prompts = {"a": prefix + prompt_of(40, seed=93), "b": prefix + prompt_of(70, seed=94)}
     params = {name: producer.produce(f"p{name}", prompt) for name, prompt in prompts.items()}
@@ -575,10 +576,13 @@ def test_prompts_sharing_a_prefix_in_flight_at_once_both_load(make_engine) -> No
 
 
 def _corrupt_chunk(url: str, namespace: str) -> None:
-    """Flip one payload byte of the only stored chunk: its checksum no longer matches."""
+    """Flip one payload byte of the first chunk of the only transfer: its checksum no longer matches."""
     client = redis.Redis.from_url(url)
     try:
-        (key,) = [key for key in client.scan_iter(match=f"{namespace}:*:c:*") if not key.endswith(b":h")]
+        (record,) = client.scan_iter(match=f"{namespace}:*:t:*")
+        tensors, _ = codec.decode(client.lindex(record, 0), max_payload_bytes=1 << 20)
+        first = bytes(tensors[0].numpy()[:16]).hex()
+        key = record.decode().rsplit(":t:", 1)[0] + ":c:{" + first + "}"
         chunk = bytearray(client.get(key))
         header = codec.read_header(bytes(chunk), max_payload_bytes=1 << 30)
         chunk[header.payload_offset + header.payload_nbytes - 5] ^= 0x40
@@ -819,7 +823,7 @@ def test_cache_salt_keeps_tenants_apart(make_engine) -> None:
         consumer.add(req_id, prompt, max_tokens=1, cache_salt=salt)
         consumer.finish(req_id)
         assert consumer.new_reqs[req_id].num_computed_tokens == 0, req_id
-    assert len(redis_keys(consumer.redis_url, consumer.namespace)) == 1  # still there, untouched
+    assert len(redis_keys(consumer.redis_url, consumer.namespace)) == 2  # both chunks still there, untouched
     consumer.add("same", prompt, max_tokens=1, cache_salt="tenant-a")
     consumer.finish("same")
     assert consumer.new_reqs["same"].num_computed_tokens == 79
@@ -975,7 +979,7 @@ def test_a_decode_takes_its_own_entry_not_an_older_one(make_engine) -> None:
     assert records == [f"{consumer.worker.transfers.record_key(old)}"], left
     client = redis.Redis.from_url(consumer.redis_url)
     holders = [key for key in left if key.endswith(":h")]
-    assert [client.smembers(key) for key in holders] == [{old.encode()}]
+    assert holders and all(client.smembers(key) == {old.encode()} for key in holders), holders
     client.close()
     other = make_engine("kv_consumer")  # a decode whose prefix cache does not hold the prompt
     other.add("unannounced", prompt, max_tokens=1)  # finds the chunks: the same KV, loaded, left held
@@ -987,7 +991,8 @@ def test_a_decode_takes_its_own_entry_not_an_older_one(make_engine) -> None:
     client.delete(*left)
     client.close()
     producer.assert_empty()  # steps once more: the second save's counts are published then
-    assert producer.stats["written_chunks"] == 1 and producer.stats["present_chunks"] == 1
+    chunks = -(-(len(prompt) - 1) // producer.worker.transfers.chunk_tokens)
+    assert producer.stats["written_chunks"] == chunks and producer.stats["present_chunks"] == chunks
     consumer.assert_empty()
 
 
