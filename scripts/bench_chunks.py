@@ -15,11 +15,8 @@ KV heads of 128, bf16: 128 KiB a token, 2 MiB a 16-token block): 64 KiB is one t
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from bench_lookup import own_redis  # noqa: E402  (this folder is on sys.path: the script's own)
 
 from kvredis.buffer import RedisLookupBuffer  # noqa: E402
 from kvredis.chunk_store import PageFormat  # noqa: E402
@@ -52,20 +50,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--chunk-tokens", type=int, default=KVRedisConfig().chunk_tokens)
     args = parser.parse_args()
-    server = None
-    url = args.url
-    if url is None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
-                                   "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
-        for _ in range(100):
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+    with own_redis(args.url) as url:
+        return measure(url, args)
+
+
+def measure(url: str, args: argparse.Namespace) -> int:
     config = KVRedisConfig.from_env({}, {"url": url, "namespace": "bench-chunks", "pop_timeout_s": 30})
     buffer = RedisLookupBuffer(config)
     try:
@@ -100,9 +89,6 @@ def main() -> int:
         assert not left, f"keys left: {left[:5]}"
     finally:
         buffer.close()
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=10)
     return 0
 
 

@@ -15,12 +15,14 @@ the medians and their ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -61,22 +63,36 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2000)
     parser.add_argument("--chunk-tokens", type=int, default=KVRedisConfig().chunk_tokens)
     args = parser.parse_args()
-    chunk_tokens = args.chunk_tokens
 
-    server = None
-    url = args.url
-    if url is None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
-                                   "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
+    with own_redis(args.url) as url:
+        return measure(url, args)
+
+
+@contextlib.contextmanager
+def own_redis(url: str | None) -> Iterator[str]:
+    """``url``, or a redis-server of our own on a free port (no persistence), stopped afterwards."""
+    if url is not None:
+        yield url
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                               "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL)
+    try:
         for _ in range(100):
             with socket.socket() as probe:
                 if probe.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def measure(url: str, args: argparse.Namespace) -> int:
+    chunk_tokens = args.chunk_tokens
     config = KVRedisConfig.from_env({}, {"url": url, "namespace": "bench-lookup"})
     store = RedisStore(config)
     chunks = ChunkStore(store, "bench-lookup:0123456789abcdef", ttl_ms=600_000, block_size=BLOCK_SIZE,
@@ -122,9 +138,6 @@ def main() -> int:
     finally:
         store.delete(list(store.scan("bench-lookup:*")))
         store.close()
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=10)
     return 0
 
 

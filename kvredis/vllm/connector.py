@@ -421,30 +421,25 @@ class KVRedisConnector(KVConnectorBase_V1):
         announcement, state.announcement = state.announcement, None
         if announcement is None or announcement.entry_id is None:
             return  # without an id, the entry is any reader's: it is left to them or to its TTL
-        tokens = _token_list(request.prompt_token_ids)
-        if not tokens:
-            return
         for shard in announcement.shards:
-            self._submit_discard(request.request_id, tokens, state.context, announcement.entry_id, shard)
+            self._submit_discard(request.request_id, announcement.entry_id, shard)
 
     def _discard_when_written(self, spec: TransferSpec) -> None:
         """Delete, on a background thread, this rank's shard of an announced entry a load gave up waiting
         for, if it lands within another pop bound (it would otherwise wait out its TTL)."""
         assert spec.entry_id is not None
-        self._submit_discard(spec.req_id, spec.token_ids, spec.context, spec.entry_id,
-                             self.buffer.keyspace.prefix)
+        self._submit_discard(spec.req_id, spec.entry_id, self.buffer.keyspace.prefix)
 
-    def _submit_discard(self, req_id: str, tokens: list[int], context: str, entry_id: str,
-                        shard: str) -> None:
+    def _submit_discard(self, req_id: str, entry_id: str, shard: str) -> None:
         """Run :meth:`_discard` on the discard threads (started at the first), tracked until it ends."""
         if self._discard_pool is None:
             self._discard_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvredis-discard")
-        future = self._discard_pool.submit(self._discard, req_id, tokens, context, entry_id, shard)
+        future = self._discard_pool.submit(self._discard, req_id, entry_id, shard)
         with self._lock:
             self._discards.add(future)
         future.add_done_callback(self._forget_discard)
 
-    def _discard(self, req_id: str, tokens: list[int], context: str, entry_id: str, shard: str) -> None:
+    def _discard(self, req_id: str, entry_id: str, shard: str) -> None:
         try:
             # The producer may still be writing it (it announces before its writer thread is done).
             deleted = self.transfers.discard(entry_id, wait_s=self.config.pop_timeout_s, prefix=shard)
