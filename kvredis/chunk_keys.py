@@ -21,7 +21,6 @@ chunks of one prompt spread over the cluster (they are shared by every prompt wi
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -130,10 +129,6 @@ class ChunkKeys:
     def holders(self, digest: str) -> str:
         """The set of the transfers still to read the chunk (transfer mode), in the chunk's slot."""
         return f"{self.prefix}:c:{{{digest}}}:h"
-
-    def chunks(self, digests: Sequence[str]) -> list[str]:
-        """:meth:`chunk` of each digest."""
-        return [self.chunk(digest) for digest in digests]
 
     @property
     def pattern(self) -> str:

@@ -113,11 +113,6 @@ class ChunkStore:
         self.max_chunk_bytes = max_chunk_bytes
         self.checksum = checksum
 
-    def under(self, prefix: str) -> ChunkStore:
-        """The same store's chunks under another key space prefix (another rank's shard)."""
-        return ChunkStore(self.store, prefix, ttl_ms=self.ttl_ms, block_size=self.block_size,
-                          max_chunk_bytes=self.max_chunk_bytes, checksum=self.checksum)
-
     def _pair(self, digest: str) -> list[str]:
         """A chunk's key and its holders' set (one slot): the keys every script takes."""
         return [self.keys.chunk(digest), self.keys.holders(digest)]

@@ -47,6 +47,7 @@ from engine_servers import (
 from prometheus_client.parser import text_string_to_metric_families
 from redis_servers import wait_until
 
+from kvredis.config import KVRedisConfig
 from kvredis.tinymodel import prompt_text
 
 START_TIMEOUT_S = 600.0  # four engines with LoRA on two cores: 2-4 minutes, more when the VM stalls
@@ -179,10 +180,10 @@ def complete(serving: Serving, where: Server | Proxy, prompt: list[int], max_tok
 
 
 def chat(serving: Serving, where: Server | Proxy, messages: list[dict[str, str]], max_tokens: int = 8, *,
-         stream: bool = True) -> str:
+         stream: bool = True, model: str | None = None, **extra: Any) -> str:
     created = serving.client(where).chat.completions.create(
-        model=serving.reference.model, messages=messages, max_tokens=max_tokens, temperature=0.0,
-        stream=stream, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+        model=model or serving.reference.model, messages=messages, max_tokens=max_tokens, temperature=0.0,
+        stream=stream, extra_body={"ignore_eos": True, "skip_special_tokens": False, **extra})
     if stream:
         return "".join(chunk.choices[0].delta.content or "" for chunk in created if chunk.choices)
     return created.choices[0].message.content or ""
@@ -268,6 +269,37 @@ def test_a_streamed_multi_turn_chat(serving: Serving) -> None:
     assert chat(serving, serving.proxy, second) == chat(serving, serving.reference, second, stream=False)
     delta = loaded(serving, before, 2)
     assert delta.get("loaded_requests") == 2 and "load_failures" not in delta, delta
+    serving.assert_no_keys()
+
+
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4  # the tiny model: 2 layers, K and V, 2 KV heads of 64, float32
+
+
+@pytest.mark.parametrize("variant", ["streamed", "whole", "lora", "cache_salt"])
+def test_a_six_turn_chat_moves_only_what_the_decode_lacks(serving: Serving, variant: str) -> None:
+    """Each turn the whole conversation so far plus 60 new words: every answer is the engine alone's, and
+    each turn the decode takes from Redis at most the bytes of the tokens it lacked (its prefix cache holds
+    the earlier turns) plus one chunk, read from its counters. Under an adapter or a salt too."""
+    model = "a" if variant == "lora" else None
+    extra = {"cache_salt": f"tenant-{uuid.uuid4().hex[:6]}"} if variant == "cache_salt" else {}
+    chunk = KVRedisConfig().chunk_tokens
+    messages: list[dict[str, str]] = []
+    for turn in range(6):
+        messages.append({"role": "user", "content": prompt_text(prompt_of(60, seed=450 + turn))})
+        want = chat(serving, serving.reference, messages, stream=False, model=model, **extra)
+        before = serving.decode.counters()
+        answer = chat(serving, serving.proxy, messages, stream=variant != "whole", model=model, **extra)
+        assert answer == want, f"turn {turn + 1}"
+        delta = loaded(serving, before, 1)
+        assert delta.get("loaded_requests") == 1 and "load_failures" not in delta, (turn + 1, delta)
+        lacked, taken = delta["loaded_tokens"], delta["loaded_bytes"]
+        if turn:
+            assert lacked < 60 + 32 + 16, (turn + 1, delta)  # the new words, the answer, a partial block
+        # Pages are whole blocks, and each chunk read carries its token IDs and a header.
+        chunks_read = -(-lacked // chunk) + 1
+        bound = (lacked + chunk + 32) * KV_BYTES_PER_TOKEN + chunks_read * (chunk * 8 + 1024)
+        assert taken <= bound, (turn + 1, delta, bound)
+        messages.append({"role": "assistant", "content": answer})
     serving.assert_no_keys()
 
 
