@@ -12,7 +12,8 @@ decode's own prompt, and reads only the chunks covering the positions the decode
 whole, even where the decode's prefix cache holds part of it). What it returns ends at the first chunk
 that is missing or fails a check: the decode computes from there. Then the transfer's holds are released,
 and chunks nobody else holds are deleted. Without a transfer id (``store_all_prompts``), a take reads the
-leading chunks that are present, and deletes them.
+leading chunks that are present, and deletes them and those before them that no transfer holds (the prompt
+is taken whole, as an entry was).
 
 A transfer nobody will take (the decode computed the prompt, the request was aborted, the decode never got
 it) is **discarded**: its record is taken (waiting for it, since the prefill may still be writing) and its
@@ -144,7 +145,9 @@ class Transfers:
         try:
             return self._read_leading(plan, indexes, page_format)
         finally:
-            done = held if transfer_id is not None else tuple(plan.digests[i] for i in indexes)
+            # Without a transfer the prompt's stored chunks are taken as an entry was, whole: those before
+            # the ones read (the decode's prefix cache held them) go too.
+            done = held if transfer_id is not None else plan.digests[:indexes.stop]
             self._release_quietly(done, transfer_id or _NOBODY)
 
     def _take_record(self, plan: ChunkPlan, transfer_id: str) -> tuple[str, tuple[str, ...]]:

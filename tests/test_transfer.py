@@ -157,6 +157,16 @@ def test_another_ranks_transfer_is_discarded_by_its_prefix(make_transfers) -> No
     assert keys_left(rank1) == []
 
 
+def test_an_unannounced_take_deletes_the_chunks_before_the_ones_it_read(make_transfers) -> None:
+    # The decode's prefix cache held chunk 0: it reads chunk 1 only, and the prompt goes whole, as an entry.
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(64)))
+    transfers.save(plan, prompt_pages(64))
+    taken = transfers.take(plan, 40, 63, FORMAT)
+    assert (taken.cause, taken.first, len(taken.chunks)) == ("hit", 1, 1)
+    assert keys_left(transfers) == []
+
+
 def test_an_unannounced_save_is_taken_by_any_decode_and_deleted(make_transfers) -> None:
     transfers = make_transfers()
     plan = transfers.plan(list(range(64)))
