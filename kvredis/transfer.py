@@ -106,12 +106,11 @@ class Transfers:
         if pages.dim() < 2 or pages.shape[1] != expected:
             raise KVRedisError(f"a {plan.num_tokens}-token prompt has {expected} pages, got "
                                f"{tuple(pages.shape)}")
-        holder = transfer_id
-        present = self.chunks.present(plan.digests, holder=holder)
+        present = self.chunks.present(plan.digests, holder=transfer_id)
         missing = [index for index, there in enumerate(present) if not there]
         chunks = [(index, pages[:, index * per_chunk:(index + 1) * per_chunk]) for index in missing]
         try:
-            written = self.chunks.write(plan, chunks, holder=holder)
+            written = self.chunks.write(plan, chunks, holder=transfer_id)
             if transfer_id is not None:
                 self._push_record(plan, transfer_id)
         except BaseException:
@@ -135,7 +134,7 @@ class Transfers:
              transfer_id: str | None = None) -> Taken:
         """The pages of the chunks covering positions ``start..stop-1``, waiting up to the pop timeout for
         the transfer's record when it has an id; then the transfer's holds are released (with no id, the
-        chunks read are deleted)."""
+        chunks up to the last one read are deleted where no transfer holds them)."""
         indexes = plan.covering(start, stop)
         held: tuple[str, ...] = ()
         if transfer_id is not None:
