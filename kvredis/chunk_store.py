@@ -32,7 +32,7 @@ import torch
 
 from kvredis import codec
 from kvredis.chunk_keys import ChunkKeys, ChunkPlan
-from kvredis.client import RedisStore
+from kvredis.client import RedisStore, raise_first_error
 from kvredis.errors import CodecError, KVRedisError
 from kvredis.resp import RespError
 
@@ -139,7 +139,7 @@ class ChunkStore:
                     replies[i] = result
             if not missing:
                 break
-            _check(self._run(client, [("SCRIPT", "LOAD", source)]))
+            _no_errors(self._run(client, [("SCRIPT", "LOAD", source)]))
             pending = missing
         return replies
 
@@ -167,7 +167,7 @@ class ChunkStore:
         client = self.store.prober if lookup else self.store.redis
         with self.store.guarded(f"looking up {len(digests)} chunks"):
             if holder is None:
-                replies = _check(self._run(client, [("EXISTS", self.keys.chunk(d)) for d in digests]))
+                replies = _no_errors(self._run(client, [("EXISTS", self.keys.chunk(d)) for d in digests]))
                 return [bool(int(reply)) for reply in replies]
             replies = self._eval_each(client, _HOLD, [(self._pair(digest), [holder, self.ttl_ms])
                                                       for digest in digests])
@@ -234,11 +234,11 @@ class ChunkStore:
         replies = self.store.call(client, *commands)
         if replies is None:
             return None
-        _check(replies)
+        _no_errors(replies)
         if holder is None:
             return replies
         executed = replies[5::6]  # EXEC's: [SET's, SADD's, PEXPIRE's, PEXPIRE's]
-        return _check([reply[0] if isinstance(reply, list) else reply for reply in executed])
+        return _no_errors([reply[0] if isinstance(reply, list) else reply for reply in executed])
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -265,7 +265,7 @@ class ChunkStore:
             if _is_error(value):  # WRONGTYPE: a list or set planted at a chunk's key
                 read = ChunkRead(index, None, "foreign")
             else:
-                read = self._check(plan, index, value, page_format)
+                read = self._verified(plan, index, value, page_format)
             if read.pages is None:
                 logger.warning("dropped chunk %s (%s)", key, read.cause)
                 bad.append(key)
@@ -274,7 +274,7 @@ class ChunkStore:
             self.delete_keys(bad)
         return reads
 
-    def _check(self, plan: ChunkPlan, index: int, value: Any, page_format: PageFormat) -> ChunkRead:
+    def _verified(self, plan: ChunkPlan, index: int, value: Any, page_format: PageFormat) -> ChunkRead:
         """The chunk's pages if ``value`` is exactly what chunk ``index`` of ``plan`` must hold."""
         if not isinstance(value, (bytes, bytearray)):
             return ChunkRead(index, None, "foreign")
@@ -331,15 +331,12 @@ def _is_error(reply: Any) -> bool:
 
 def _raise(reply: Any) -> None:
     """Raise an error reply as redis-py would have, so that the guard names it (NOPERM, WRONGTYPE...)."""
-    if isinstance(reply, redis.exceptions.RedisError):
+    if isinstance(reply, redis.exceptions.RedisError):  # a redis-py pipeline's (cluster, stand-in client)
         raise reply
-    text = str(reply)
-    if text.startswith("NOPERM"):
-        raise redis.exceptions.NoPermissionError(text)
-    raise redis.exceptions.ResponseError(text)
+    raise_first_error([reply])
 
 
-def _check(replies: list[Any]) -> list[Any]:
+def _no_errors(replies: list[Any]) -> list[Any]:
     """``replies``, once none of them is an error (the first one is raised)."""
     for reply in replies:
         if _is_error(reply):

@@ -382,7 +382,7 @@ class RedisStore:
                 for client in (self.redis, self._popper):
                     with self._socket(client) as sock:
                         if sock is not None:
-                            _raise_first(resp.call(sock, ("PING",)))
+                            raise_first_error(resp.call(sock, ("PING",)))
                             continue
                         client.ping()
                 return
@@ -464,7 +464,7 @@ class RedisStore:
                 replies = self.call(self.redis, ("MULTI",), ("RPUSH", queue, parts),
                                      ("PEXPIRE", queue, ttl_ms), ("EXEC",))
                 if replies is not None:
-                    _raise_first(replies)
+                    raise_first_error(replies)
                     return
             value = parts[0] if len(parts) == 1 else b"".join(parts)
             if self.cluster:
@@ -482,7 +482,7 @@ class RedisStore:
             if not self.cluster:
                 replies = self.call(self._popper, ("BLPOP", queue, f"{wait:.3f}"))
                 if replies is not None:
-                    _raise_first(replies)
+                    raise_first_error(replies)
                     (reply,) = replies
                     if reply is None:
                         return None
@@ -503,7 +503,7 @@ class RedisStore:
             if not self.cluster:
                 replies = self.call(self._prober, ("LLEN", queue))
                 if replies is not None:
-                    _raise_first(replies)
+                    raise_first_error(replies)
                     return int(replies[0])
             return int(self._prober.llen(queue))
 
@@ -514,7 +514,7 @@ class RedisStore:
             if not self.cluster:
                 with self._socket(self.redis) as sock:
                     if sock is not None:
-                        _raise_first([resp.put_pieces(sock, keys, pieces, ttl_ms, batch_bytes)])
+                        raise_first_error([resp.put_pieces(sock, keys, pieces, ttl_ms, batch_bytes)])
                         return
             pipe = self.redis.pipeline(transaction=False)
             pending = 0
@@ -783,8 +783,9 @@ def _still_open(connection: Any) -> bool:
     return not readable
 
 
-def _raise_first(replies: Sequence[Any]) -> None:
-    """Raise the first error reply as redis-py would have (so that :func:`translate_errors` names it)."""
+def raise_first_error(replies: Sequence[Any]) -> None:
+    """Raise the first error reply of kvredis's framing (:mod:`kvredis.resp`) as redis-py would have, so that
+    :func:`translate_errors` names it (NOPERM, WRONGTYPE...)."""
     error = resp.first_error(replies)
     if error is not None:
         text = str(error)
