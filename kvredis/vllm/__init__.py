@@ -7,15 +7,20 @@
 
 Only this package imports vLLM:
 
-- :mod:`kvredis.vllm.connector`: the connector, its scheduler side (what to load and save, announcements)
-  and its worker side (pages in and out of the KV caches, background loads and saves);
-- :mod:`kvredis.vllm.engine`: the supported releases, the engine identity an entry is written for, and the
+- :mod:`kvredis.vllm.connector`: the connector vLLM loads; it hands each hook to one of its two sides:
+- :mod:`kvredis.vllm.scheduler`: what to load and save, and what a prefill announces;
+- :mod:`kvredis.vllm.worker`: pages in and out of the KV caches, background loads and saves;
+- :mod:`kvredis.vllm.metadata`: what the scheduler tells the workers each step;
+- :mod:`kvredis.vllm.endpoint`: a process's link to Redis (settings, identity, connection, counters);
+- :mod:`kvredis.vllm.discards`: releasing announced transfers no decode will take;
+- :mod:`kvredis.vllm.engine`: the supported releases, the engine identity chunks are keyed for, and the
   configurations refused at start-up;
 - :mod:`kvredis.vllm.stats`: the counters vLLM logs and serves as ``vllm:kvredis_<name>_total``.
 """
 
-from kvredis.vllm.connector import KVRedisConnector, KVRedisConnectorMetadata, TransferSpec
+from kvredis.vllm.connector import KVRedisConnector
 from kvredis.vllm.engine import SUPPORTED_VLLM, cache_identity, check_vllm_version, refuse_unsupported
+from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec
 from kvredis.vllm.stats import STATS
 
 __all__ = [

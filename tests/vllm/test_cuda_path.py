@@ -52,7 +52,7 @@ def make_gpu_engine(make_engine: Callable[..., Engine], monkeypatch: pytest.Monk
         with monkeypatch.context() as patch:
             patch.setattr(staging, "device_for", lambda caches: fake)
             engine = make_engine(role, **settings)
-        assert engine.worker._staging is not None and engine.worker._staging.device is fake
+        assert engine.worker.worker._staging is not None and engine.worker.worker._staging.device is fake
         fakes.append(fake)
         return engine, fake
 
@@ -63,13 +63,13 @@ def make_gpu_engine(make_engine: Callable[..., Engine], monkeypatch: pytest.Monk
 
 def streams(engine: Engine) -> tuple[FakeStream, FakeStream]:
     """The worker's save and load streams."""
-    assert engine.worker._staging is not None
-    return engine.worker._staging._save_stream, engine.worker._staging._load_stream
+    assert engine.worker.worker._staging is not None
+    return engine.worker.worker._staging._save_stream, engine.worker.worker._staging._load_stream
 
 
 def test_cpu_caches_take_the_direct_path(make_engine) -> None:
     engine = make_engine("kv_both")
-    assert engine.worker._staging is None
+    assert engine.worker.worker._staging is None
     engine.assert_empty()
 
 
@@ -117,7 +117,7 @@ def test_the_writer_waits_for_the_steps_event_not_the_engine(make_gpu_engine, ma
     assert fake.syncs["MainThread"] == 0
     assert "p" in producer.finished
     time.sleep(0.3)
-    assert producer.worker._saves_in_flight, "the writer did not wait for the copies"
+    assert producer.worker.worker._saves_in_flight, "the writer did not wait for the copies"
     assert redis_keys(producer.redis_url, producer.namespace) == []
     fake.complete(saved)
     producer.wait_saved()

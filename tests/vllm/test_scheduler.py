@@ -54,7 +54,7 @@ from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.keys import new_entry_id
 from kvredis.vllm import KVRedisConnector
-from kvredis.vllm import connector as connector_module
+from kvredis.vllm import worker as worker_module
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 HEADS, WIDTH = 2, 128  # the tiny model's KV heads and 2 * head_size
@@ -225,7 +225,7 @@ class Engine:
     def wait_saved(self) -> None:
         """Until the writer threads stored every entry handed to them."""
         deadline = time.monotonic() + STEP_TIMEOUT_S
-        while self.worker._saves_in_flight:
+        while self.worker.worker._saves_in_flight:
             assert time.monotonic() < deadline, "a save did not finish"
             time.sleep(0.002)
 
@@ -233,7 +233,7 @@ class Engine:
         """Until the request's load has finished, no step run: finished on its thread (reported with the next
         step), or so fast that the step which started it already reported it."""
         deadline = time.monotonic() + STEP_TIMEOUT_S
-        while req_id not in self.worker._received and req_id not in self.recved:
+        while req_id not in self.worker.worker._received and req_id not in self.recved:
             assert time.monotonic() < deadline, f"the load of {req_id} did not finish"
             time.sleep(0.002)
 
@@ -241,7 +241,7 @@ class Engine:
         """Until the scheduler's and the worker's threads deleted every unused announced entry handed to
         them."""
         deadline = time.monotonic() + STEP_TIMEOUT_S
-        while self.connector._discards or self.worker._discards:
+        while self.connector.scheduler.discards.pending() or self.worker.worker.discards.pending():
             assert time.monotonic() < deadline, "a discard did not finish"
             time.sleep(0.002)
 
@@ -258,11 +258,11 @@ class Engine:
         assert not manager.req_to_blocks and not manager.num_cached_block
         assert self.free_blocks() == self.num_blocks - 1  # block 0 is the null block
         assert all(block.ref_cnt == 0 for block in s.kv_cache_manager.block_pool.blocks)
-        c = self.connector
+        c = self.connector.scheduler
         self.wait_discarded()
         assert not (c._pending_loads or c._loading or c._loaded_once or c._prefills or c._saved)
         assert not c._requests
-        w = self.worker
+        w = self.worker.worker
         assert not (w._gathered or w._received or w._failed or w._failed_reported)
 
 
@@ -406,10 +406,10 @@ def test_an_entry_found_in_redis_is_loaded_without_an_announcement(make_engine) 
 @pytest.fixture
 def next_entry_id(monkeypatch: pytest.MonkeyPatch) -> str:
     """The id the producer gives its next entry, known before it runs (to announce it to a decode first)."""
-    import kvredis.vllm.connector
+    import kvredis.vllm.scheduler
 
     entry_id = new_entry_id()
-    monkeypatch.setattr(kvredis.vllm.connector, "new_entry_id", lambda: entry_id)
+    monkeypatch.setattr(kvredis.vllm.scheduler, "new_entry_id", lambda: entry_id)
     return entry_id
 
 
@@ -593,7 +593,7 @@ def _corrupt_chunk(url: str, namespace: str) -> None:
 
 def _plant_other_shape(consumer: Engine, prompt: list[int], entry_id: str) -> None:
     """A transfer under the consumer's own keys whose pages have another shape (one layer, half the width)."""
-    transfers = consumer.worker.transfers
+    transfers = consumer.worker.endpoint.transfers
     stored = prompt[:-1]  # the connector stores every position but the last
     pages = torch.zeros(1, -(-len(stored) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH // 2)
     transfers.save(transfers.plan(stored), pages, transfer_id=entry_id)
@@ -665,7 +665,7 @@ def test_abort_while_loading_holds_the_blocks_until_the_worker_is_done(
 def test_redis_down_lookups_fail_fast_and_pause(make_engine, redis_server, monkeypatch, fault: str) -> None:
     """With Redis gone or frozen, the scheduler's lookups neither stall the engine nor warn per request:
     one lookup fails within KVREDIS_LOOKUP_TIMEOUT_S, the next ones are skipped for a while."""
-    import kvredis.vllm.connector
+    import kvredis.vllm.scheduler
 
     server: RedisServer = redis_server()
     consumer = make_engine("kv_consumer", url=server.url, lookup_timeout_s=0.3)
@@ -686,8 +686,8 @@ def test_redis_down_lookups_fail_fast_and_pause(make_engine, redis_server, monke
             server.start()
         else:
             os.kill(server.process.pid, signal.SIGCONT)
-    monkeypatch.setattr(kvredis.vllm.connector, "_LOOKUP_PAUSE_S", 0.0)
-    consumer.connector._lookups_paused_until = 0.0
+    monkeypatch.setattr(kvredis.vllm.scheduler, "_LOOKUP_PAUSE_S", 0.0)
+    consumer.connector.scheduler._lookups_paused_until = 0.0
     consumer.add("after", prompt_of(50, seed=30), max_tokens=1)
     consumer.finish("after")
     assert consumer.stats["lookup_errors"] == 1  # Redis answers again
@@ -849,7 +849,7 @@ def test_multimodal_inputs_are_part_of_the_key(make_engine) -> None:
                     pooling_params=None, mm_features=[_image("hash-of-cat")])
     assert request_context(again).digest == contexts["cat"]
     # Chunks a producer's worker stores for the cat image are found for the cat only.
-    transfers = consumer.worker.transfers
+    transfers = consumer.worker.endpoint.transfers
     stored = prompt[:-1]  # the connector stores every position but the last
     transfers.save(transfers.plan(stored, contexts["cat"]),
                    torch.zeros(len(LAYERS), -(-len(stored) // BLOCK_SIZE), HEADS, BLOCK_SIZE, WIDTH))
@@ -976,7 +976,7 @@ def test_a_decode_takes_its_own_entry_not_an_older_one(make_engine) -> None:
     assert consumer.new_reqs["c"].num_computed_tokens == 74
     left = [key.decode() for key in redis_keys(consumer.redis_url, consumer.namespace)]
     records = [key for key in left if ":t:" in key]
-    assert records == [f"{consumer.worker.transfers.record_key(old)}"], left
+    assert records == [f"{consumer.worker.endpoint.transfers.record_key(old)}"], left
     client = redis.Redis.from_url(consumer.redis_url)
     holders = [key for key in left if key.endswith(":h")]
     assert holders and all(client.smembers(key) == {old.encode()} for key in holders), holders
@@ -991,7 +991,7 @@ def test_a_decode_takes_its_own_entry_not_an_older_one(make_engine) -> None:
     client.delete(*left)
     client.close()
     producer.assert_empty()  # steps once more: the second save's counts are published then
-    chunks = -(-(len(prompt) - 1) // producer.worker.transfers.chunk_tokens)
+    chunks = -(-(len(prompt) - 1) // producer.worker.endpoint.transfers.chunk_tokens)
     assert producer.stats["written_chunks"] == chunks and producer.stats["present_chunks"] == chunks
     consumer.assert_empty()
 
@@ -1059,7 +1059,7 @@ def test_an_entry_from_a_model_with_other_positions_is_not_loaded(make_engine, c
     positions = {"hf_overrides": {"rope_parameters": {"rope_theta": 20000.0, "rope_type": "default"}}}
     producer = make_engine("kv_producer", model_settings=positions)
     consumer = make_engine("kv_consumer", pop_timeout_s=60.0)
-    assert producer.worker.identity.digest() != consumer.worker.identity.digest()
+    assert producer.worker.endpoint.identity.digest() != consumer.worker.endpoint.identity.digest()
     prompt = prompt_of(70, seed=61)
     with caplog.at_level(logging.WARNING, logger="kvredis"):
         consumer.add("c", prompt, max_tokens=1, params=producer.produce("p", prompt))
@@ -1110,9 +1110,9 @@ def test_a_save_late_enough_to_outlast_a_decode_is_reported(make_engine, monkeyp
     reported. The connector's clock moves only when the slow insert says so: a VM pause cannot make the
     prompt saved in time late."""
     clock = [1000.0]
-    monkeypatch.setattr(connector_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(worker_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     producer = make_engine("kv_producer", pop_timeout_s=0.4)
-    save = producer.worker.transfers.save
+    save = producer.worker.endpoint.transfers.save
 
     def slow_save(*args: Any, **kwargs: Any) -> Any:
         clock[0] += 0.3
@@ -1120,7 +1120,7 @@ def test_a_save_late_enough_to_outlast_a_decode_is_reported(make_engine, monkeyp
 
     with caplog.at_level(logging.WARNING, logger="kvredis"):
         producer.produce("fast", prompt_of(70, seed=65))
-        monkeypatch.setattr(producer.worker.transfers, "save", slow_save)
+        monkeypatch.setattr(producer.worker.endpoint.transfers, "save", slow_save)
         producer.produce("slow", prompt_of(70, seed=66))
     said = [r.getMessage() for r in caplog.records if "reached Redis" in r.getMessage()]
     assert said == [
@@ -1204,7 +1204,7 @@ def test_no_exception_escapes_a_load_without_its_blocks_reported(make_engine, mo
     def broken(*args: Any) -> None:
         raise IndexError("block table shorter than the span")
 
-    monkeypatch.setattr(consumer.worker, "_write_chunks", broken)
+    monkeypatch.setattr(consumer.worker.worker, "_write_chunks", broken)
     consumer.add("c", prompt, max_tokens=1, params=params)
     consumer.finish("c")
     assert "c" in consumer.recved and len(consumer.invalid_blocks) == 1

@@ -64,7 +64,7 @@ def test_a_load_waiting_for_its_entry_during_sleep_writes_nothing(make_engine, n
     assert time.monotonic() - started < STEP_TIMEOUT_S / 2  # nothing was writing: nothing to wait for
     before = {name: layer.clone() for name, layer in consumer.layers.items()}
     producer.produce("p", prompt, wait=False)
-    wait_until(lambda: "c" in consumer.worker._failed, STEP_TIMEOUT_S,
+    wait_until(lambda: "c" in consumer.worker.worker._failed, STEP_TIMEOUT_S,
                "the load to end while the engine slept", interval_s=0.002)
     for name, layer in consumer.layers.items():
         assert torch.equal(layer, before[name]), f"{name} written while its memory was released"

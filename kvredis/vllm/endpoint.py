@@ -1,0 +1,67 @@
+"""One engine process's end of the Redis link, as both sides of the connector use it: its settings, the
+identity its chunks are keyed for, the Redis connection, the chunk transfers and the counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvredis.client import RedisStore
+from kvredis.config import KVRedisConfig
+from kvredis.keys import CacheIdentity, KeySpace
+from kvredis.metrics import Metrics
+from kvredis.transfer import Transfers
+from kvredis.vllm.engine import cache_identity, worker_pp_rank, worker_tp_rank
+from kvredis.vllm.stats import Counts
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass
+class Endpoint:
+    """What a scheduler or a worker needs to reach Redis; :meth:`open` builds it from vLLM's configuration."""
+
+    config: KVRedisConfig
+    identity: CacheIdentity
+    keyspace: KeySpace
+    store: RedisStore
+    transfers: Transfers
+    metrics: Metrics
+    counts: Counts
+    block_size: int
+
+    @classmethod
+    def open(cls, vllm_config: VllmConfig, config: KVRedisConfig, *, worker: bool) -> Endpoint:
+        """The endpoint of this process: a worker's keys carry its tensor- and pipeline-parallel rank; the
+        scheduler's are rank 0's, and its connection is bounded by the lookup timeout."""
+        identity = cache_identity(vllm_config, worker_tp_rank() if worker else 0,
+                                  worker_pp_rank() if worker else 0)
+        if not worker:
+            # The scheduler looks chunks up inside vLLM's scheduling loop: the store bounds the reply by
+            # KVREDIS_LOOKUP_TIMEOUT_S, and opening a connection to an unreachable Redis must not take longer.
+            config = config.replace(connect_timeout_s=min(config.connect_timeout_s, config.lookup_timeout_s))
+        block_size = int(vllm_config.cache_config.block_size)
+        keyspace = KeySpace(config.namespace, identity)
+        store = RedisStore(config)
+        # Chunks are whole blocks: the configured length is rounded up to the next multiple of a block.
+        chunk_tokens = -(-config.chunk_tokens // block_size) * block_size
+        transfers = Transfers(
+            store, keyspace.prefix, chunk_tokens=chunk_tokens, block_size=block_size,
+            ttl_ms=int(config.ttl_s * 1000), pop_timeout_s=config.pop_timeout_s,
+            max_chunk_bytes=config.max_entry_bytes, checksum=config.checksum)
+        return cls(config, identity, keyspace, store, transfers, Metrics(config.namespace), Counts(),
+                   block_size)
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The fields of this engine that decide whether its chunks fit another (an announcement's
+        ``engine``; the rank is left out: every rank of a peer has its own)."""
+        identity = self.identity
+        return {"namespace": self.config.namespace, "model": identity.model, "kv_dtype": identity.kv_dtype,
+                "layout": identity.layout, "block_size": identity.block_size, "tp_size": identity.tp_size,
+                "format_version": identity.format_version, "weights": identity.weights,
+                "chunk_tokens": self.transfers.chunk_tokens}
+
+    def close(self) -> None:
+        """Release the Redis connections (chunks already stored stay until taken or expired)."""
+        self.store.close()

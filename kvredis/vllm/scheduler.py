@@ -1,0 +1,342 @@
+"""The connector's scheduler side: which requests load from Redis and how much, which prompts are saved,
+and what a prefill announces to its decode.
+
+On a consumer (decode), a request is loadable when its prefill announced a transfer that fits this engine
+(:mod:`kvredis.announcement`), or when Redis holds the first chunks of its prompt (one bounded lookup,
+:meth:`kvredis.chunk_store.ChunkStore.stored_prefix`). It reports the tokens beyond its own prefix-cache hit
+up to the stored ones (never the last: vLLM computes it), and plans their load into the blocks vLLM
+allocated. An announced transfer it will not load (the prefix cache covers the prompt, the request ended
+first) is released at once. On a producer (prefill), a prompt whose request asks for a remote decode is
+saved when its last prefill step is scheduled, and announced in the finished request's
+``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvredis.announcement import Announcement, MalformedAnnouncement, read_announcement
+from kvredis.chunk_keys import ChunkPlan
+from kvredis.errors import KVRedisError
+from kvredis.keys import KeySpace, new_entry_id, prompt_digest
+from kvredis.request_keys import AdapterDigests, request_context
+from kvredis.vllm.discards import Discards
+from kvredis.vllm.endpoint import Endpoint
+from kvredis.vllm.engine import cache_identity
+from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec, stored_plan, token_list
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("kvredis.vllm")
+
+_LOOKUP_PAUSE_S = 10.0
+"""After a failed lookup, the scheduler computes prompts without asking Redis for this long."""
+
+
+@dataclass
+class _Prefill:
+    token_ids: list[int]
+    block_ids: list[int]
+    computed: int
+    context: str
+    entry_id: str | None
+
+
+@dataclass
+class _Announcement:
+    """What a producer's ``kv_transfer_params`` said of the transfer it wrote for this request."""
+
+    entry_id: str | None  # None: an announcement without an id (the prompt's chunks are taken as found)
+    differences: list[str]  # how the producer's engine differs from this one; empty: the chunks fit
+    shards: list[str]  # the key prefixes of the producer's ranks, for releasing the transfer unread
+
+
+@dataclass
+class _RequestState:
+    """The scheduler's view of one request, from its first lookup until it finishes."""
+
+    context: str
+    unsupported: str | None
+    remote_decode: bool
+    announcement: _Announcement | None
+    transfer_params: bool = False  # the request carried kv_transfer_params (a proxy's, or a client's own)
+    external_stop: int = 0  # the last lookup's answer: positions up to this one can be loaded
+    plan: ChunkPlan | None = None  # the prompt's chunks, hashed at its first lookup
+
+
+class KVRedisScheduler:
+    """The scheduler-side half of :class:`~kvredis.vllm.KVRedisConnector` (one per engine)."""
+
+    def __init__(self, vllm_config: VllmConfig, endpoint: Endpoint, *, producer: bool, consumer: bool,
+                 kv_layers: int | None, multimodal_hashed: bool) -> None:
+        self.endpoint = endpoint
+        self.config = endpoint.config
+        self.transfers = endpoint.transfers
+        self.counts = endpoint.counts
+        self._producer = producer
+        self._consumer = consumer
+        self._kv_layers = kv_layers
+        self._multimodal_hashed = multimodal_hashed
+        self._lookups_paused_until = 0.0
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: dict[str, TransferSpec] = {}
+        self._loading: set[str] = set()
+        self._loaded_once: set[str] = set()
+        self._prefills: dict[str, _Prefill] = {}
+        self._saved: dict[str, str | None] = {}  # request id -> the transfer id its save was given
+        self._stored_any = False  # a prefill was handed to the writers (the producer is not silent)
+        self._adapters = AdapterDigests()
+        self._warned: set[tuple[str, ...]] = set()
+        parallel = vllm_config.parallel_config
+        # Every rank's key prefix: the scheduler releases an unused announced transfer's shards itself.
+        self._shards = [KeySpace(self.config.namespace, cache_identity(vllm_config, tp, pp)).prefix
+                        for pp in range(int(parallel.pipeline_parallel_size))
+                        for tp in range(int(parallel.tensor_parallel_size))]
+        self.discards = Discards(self.transfers, self.counts, self.config.pop_timeout_s)
+
+    # -- lookups and loads ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens loadable from Redis beyond the local hit: up to ``len(prompt) - 1`` if announced, else up
+        to the end of the stored chunks."""
+        state = self._state_of(request)
+        if not self._consumer or request.request_id in self._loaded_once or state.unsupported:
+            return 0, False
+        tokens = token_list(request.prompt_token_ids)
+        if not tokens:
+            return 0, False
+        loadable = len(tokens) - 1
+        if loadable <= num_computed_tokens:
+            return 0, False
+        announcement = state.announcement
+        if announcement is not None and announcement.differences:
+            return 0, False
+        if announcement is None:
+            if time.monotonic() < self._lookups_paused_until:
+                return 0, False
+            try:
+                plan = self._plan_of(state, tokens)
+                stored = self.transfers.chunks.stored_prefix(plan.digests, lookup=True)
+            except KVRedisError as exc:
+                self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
+                self.endpoint.metrics.miss("error")
+                self.counts.add(lookup_errors=1)
+                logger.warning("request %s: cannot look up its KV in Redis, computing it (and not looking "
+                               "prompts up for %g s): %s", request.request_id, _LOOKUP_PAUSE_S, exc)
+                return 0, False
+            # Chunks found without an announcement: a prefix of the prompt, maybe all of it.
+            loadable = min(loadable, stored * self.transfers.chunk_tokens)
+            if loadable <= num_computed_tokens:
+                return 0, False
+        state.external_stop = loadable
+        return loadable - num_computed_tokens, True
+
+    def _plan_of(self, state: _RequestState, tokens: list[int]) -> ChunkPlan:
+        """The prompt's chunks, hashed once per request (the scheduler may ask about it every step)."""
+        if state.plan is None:
+            state.plan = stored_plan(self.transfers, tokens, state.context)
+        return state.plan
+
+    def _state_of(self, request: Any) -> _RequestState:
+        """The request's state, made at its first lookup (on the producer too: it decides the save)."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            context = request_context(request, self._adapters, multimodal_hashed=self._multimodal_hashed)
+            params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+            state = self._requests[request.request_id] = _RequestState(
+                context.digest, context.unsupported, bool(params.get("do_remote_decode")),
+                self._announcement(request, params, context.digest) if self._consumer else None,
+                bool(params))
+            if context.unsupported:
+                self.counts.add(skipped_requests=1)
+                self._warn_once(("unsupported", context.unsupported),
+                                "requests with %s are neither saved to nor loaded from Redis (their KV "
+                                "depends on more than their token IDs); such requests are computed here",
+                                context.unsupported)
+        return state
+
+    def _announcement(self, request: Any, params: Any, context: str) -> _Announcement | None:
+        """What the producer said of its transfer, checked against this engine and this request (its tokens
+        and ``context`` digest); ``None`` if nothing."""
+        req_id = request.request_id
+        try:
+            announced = read_announcement(params)
+        except MalformedAnnouncement as exc:
+            logger.warning("request %s: ignoring %s", req_id, exc)
+            return None
+        if announced is None:
+            return None
+        if announced.context is not None and announced.context != context:
+            # A transfer announced for another adapter, tenant or set of images (a proxy or client mixing up
+            # requests): its chunks' keys differ from this request's. Compute at once.
+            self.counts.add(skipped_requests=1)
+            self._warn_once(("context",), "request %s: its announcement names a transfer written for "
+                            "another LoRA adapter, cache_salt or multimodal input; computing the prompt here",
+                            req_id)
+            return _Announcement(announced.entry_id, ["context"], [])
+        if (announced.digest is not None
+                and announced.digest != prompt_digest(token_list(request.prompt_token_ids), None, context)):
+            # Written for other prompt tokens (a proxy or client mixing up requests, or the two engines
+            # tokenizing the prompt differently): its chunks are not this prompt's.
+            self.counts.add(skipped_requests=1)
+            self._warn_once(("tokens",), "request %s: its announcement names a transfer written for other "
+                            "prompt tokens (do prefill and decode tokenize alike?); computing it here",
+                            req_id)
+            return _Announcement(announced.entry_id, ["tokens"], [])
+        differences = announced.differences(self.engine_description())
+        if differences:
+            self.counts.add(skipped_requests=1)
+            self._warn_once(("engine", *differences),
+                            "request %s: its KV was written by a prefill engine configured differently (%s); "
+                            "such requests are computed here, without waiting for Redis", req_id,
+                            "; ".join(differences))
+        return _Announcement(announced.entry_id, differences, list(announced.shards or self._shards))
+
+    def engine_description(self) -> dict[str, Any]:
+        """This engine's side of an announcement (rank 0's identity, less the rank)."""
+        return {**self.endpoint.engine_fields(), "layers": self._kv_layers}
+
+    def _warn_once(self, cause: tuple[str, ...], message: str, *args: Any) -> None:
+        if cause not in self._warned:
+            self._warned.add(cause)
+            logger.warning(message + " (said once)", *args)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of the external tokens into the blocks just allocated; an announced transfer that
+        will not be loaded is released now."""
+        req_id = request.request_id
+        state = self._requests.get(req_id)
+        if num_external_tokens <= 0 or req_id in self._loaded_once:
+            if state is not None and state.announcement is not None and req_id not in self._loaded_once:
+                self._discard_announced(request, state)
+            return
+        tokens = token_list(request.prompt_token_ids)
+        stop = state.external_stop if state is not None and state.external_stop else len(tokens) - 1
+        announcement = state.announcement if state is not None else None
+        self._pending_loads[req_id] = TransferSpec(
+            req_id, tokens, list(blocks.get_block_ids()[0]), stop - num_external_tokens, stop,
+            context=state.context if state is not None else "",
+            entry_id=announcement.entry_id if announcement is not None else None,
+        )
+        if state is not None:
+            state.announcement = None  # taken by the load from now on
+
+    def _discard_announced(self, request: Any, state: _RequestState) -> None:
+        """Release, on a background thread, the announced transfer this request will not load (every
+        shard)."""
+        announcement, state.announcement = state.announcement, None
+        if announcement is None or announcement.entry_id is None:
+            return  # without an id, the chunks are any reader's: they are left to them or to their TTL
+        for shard in announcement.shards:
+            self.discards.submit(request.request_id, announcement.entry_id, shard)
+
+    # -- saves and the step's metadata ------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVRedisConnectorMetadata:
+        """This step's loads (planned at allocation) and saves (prompts whose prefill completes now)."""
+        meta = KVRedisConnectorMetadata(loads=list(self._pending_loads.values()))
+        self._loading.update(self._pending_loads)
+        self._loaded_once.update(self._pending_loads)
+        self._pending_loads.clear()
+        if self._producer:
+            meta.saves = self._completed_prefills(scheduler_output)
+        return meta
+
+    def _completed_prefills(self, scheduler_output: Any) -> list[TransferSpec]:
+        for new in scheduler_output.scheduled_new_reqs:
+            # A one-token prompt has nothing a decoder could load (it computes the last token itself); a
+            # request already saved comes back here when vLLM 0.34 resumes it after preemption.
+            state = self._requests.get(new.req_id)
+            if (new.prompt_token_ids is None or len(new.prompt_token_ids) <= 1
+                    or new.req_id in self._loaded_once or new.req_id in self._saved
+                    or state is None or state.unsupported):
+                continue
+            if state.remote_decode or self.config.store_all_prompts:
+                self._stored_any = True
+                self._prefills[new.req_id] = _Prefill(
+                    token_list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens),
+                    state.context, new_entry_id() if state.remote_decode else None)
+            elif not self._stored_any and not state.transfer_params:
+                # vLLM's offline flow (its LLM class, no proxy): no request asks for a remote decode, so
+                # nothing would ever reach Redis and the consumer would compute every prompt, unwarned.
+                self._warn_once(
+                    ("nothing stored",),
+                    "request %s: its prompt is not stored in Redis: it did not ask for a remote decode "
+                    "(kv_transfer_params do_remote_decode, which kvredis's proxy sets) and store_all_prompts "
+                    "is off, so this producer has stored nothing yet. Without a proxy (vLLM's LLM class, "
+                    "requests sent to the producer directly) set KVREDIS_STORE_ALL_PROMPTS=1 or "
+                    "\"store_all_prompts\": true in kv_connector_extra_config", new.req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            prefill = self._prefills.get(req_id)
+            if prefill is None:
+                continue
+            new_blocks = cached.new_block_ids[index]
+            if req_id in getattr(cached, "resumed_req_ids", ()):
+                prefill.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                prefill.block_ids.extend(new_blocks[0])
+            prefill.computed = int(cached.num_computed_tokens[index])
+        saves = []
+        for req_id, prefill in list(self._prefills.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if scheduled and prefill.computed + scheduled >= len(prefill.token_ids):
+                saves.append(TransferSpec(req_id, prefill.token_ids, prefill.block_ids, 0,
+                                          len(prefill.token_ids), prefill.context, prefill.entry_id))
+                self._saved[req_id] = prefill.entry_id
+                del self._prefills[req_id]
+        return saves
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Forget loads the workers report finished."""
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._loading.discard(req_id)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks of a request whose load is still writing; announce a saved prompt; release an
+        announced transfer the request ended without loading."""
+        req_id = request.request_id
+        if self._consumer and req_id not in self._requests:
+            self._state_of(request)  # aborted before its first lookup: its announcement still counts
+        state = self._requests.pop(req_id, None)
+        if state is not None and state.announcement is not None:
+            self._discard_announced(request, state)
+        self._prefills.pop(req_id, None)
+        self._loaded_once.discard(req_id)
+        self._pending_loads.pop(req_id, None)
+        params = None
+        if req_id in self._saved:
+            entry_id = self._saved.pop(req_id)
+            if entry_id is not None:
+                context = state.context if state is not None else ""
+                tokens = token_list(request.prompt_token_ids)
+                params = Announcement(
+                    entry_id, prompt_digest(tokens, None, context), context, self.engine_description(),
+                    tuple(self._shards), len(tokens)).to_params()
+        return req_id in self._loading, params
+
+    def may_load_async(self, request: Any) -> bool:
+        """Whether this request's KV may load asynchronously: an announced transfer that fits this engine.
+
+        vLLM 0.34 asks when the request enters the waiting queues; with ``--max-num-inflight-kv-loads``,
+        those answered true start their loads while the running batch is full. Cheap (no Redis round
+        trip), so an unannounced prompt, which may be found in Redis, answers false and waits for a slot.
+        """
+        if not self._consumer or request.request_id in self._loaded_once:
+            return False  # a request preempted after its load is not loaded again
+        state = self._requests.get(request.request_id)
+        if state is not None:  # seen before: its announcement may have been taken or found unusable
+            announcement = state.announcement
+            return announcement is not None and not announcement.differences and not state.unsupported
+        try:
+            announced = read_announcement(request.kv_transfer_params)
+        except MalformedAnnouncement:
+            return False
+        return announced is not None and not announced.differences(self.engine_description())
+
+    def shutdown(self) -> None:
+        self.discards.shutdown()
