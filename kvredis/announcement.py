@@ -1,11 +1,13 @@
-"""What a prefill tells its decode through vLLM's ``kv_transfer_params``: which entry it wrote, and for what.
+"""What a prefill tells its decode through vLLM's ``kv_transfer_params``: which transfer it wrote, for what.
 
-A producer's ``request_finished`` returns ``{"kvredis": {...}}``; the proxy relays it with the request to a
-decode, whose connector takes exactly that entry, and deletes it itself when the decode never got the
-request. Everything here is read from a peer, so each field is checked before it names a key:
+A producer's ``request_finished`` returns ``{"do_remote_prefill": true, "do_remote_decode": false,
+"kvredis": {...}}`` (vLLM's P/D fields and kvredis's); a proxy relays them with the request to a decode,
+whose connector takes exactly that transfer, and releases it itself when the decode never got the request.
+Everything here is read from a peer, so each field is checked before it names a key:
 
-- ``entry``: the entry id (its record has a list of its own, :meth:`kvredis.keys.EntryKeys.entry_queue`);
-- ``digest``: the prompt digest its keys are under (tokens, roi and the request's context);
+- ``entry``: the transfer id (its record is :func:`kvredis.transfer.record_key`; the id is a capability:
+  whoever holds it can take or release the transfer, so it is random and only the proxy and decode see it);
+- ``digest``: the prompt digest of the request's tokens and context, checked against the decode's request;
 - ``context``: the request's context digest (LoRA adapter, multimodal inputs, ``cache_salt``), so a decode
   handed another request's announcement sees that it is not its own;
 - ``engine``: what decides whether the pages fit another engine (:data:`ENGINE_FIELDS`);
@@ -53,11 +55,14 @@ class Announcement:
     prompt_tokens: int | None = None
 
     def to_params(self) -> dict[str, Any]:
-        """The ``kv_transfer_params`` that announce this entry."""
+        """The ``kv_transfer_params`` that announce this transfer to a decode: vLLM's own P/D fields (a decode
+        with ``do_remote_prefill`` is counted as a remote prefill, reports the prefill's prefix-cache hit as
+        its cached tokens, and has vLLM clean up when its serving layer rejects it) and kvredis's."""
         fields = {"prompt_tokens": self.prompt_tokens, "entry": self.entry_id, "digest": self.digest,
                   "context": self.context, "engine": dict(self.engine) if self.engine is not None else None,
                   "shards": list(self.shards) if self.shards is not None else None}
-        return {TRANSFER_PARAM: {name: value for name, value in fields.items() if value is not None}}
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                TRANSFER_PARAM: {name: value for name, value in fields.items() if value is not None}}
 
     def differences(self, engine: Mapping[str, Any]) -> list[str]:
         """How the announcing engine differs from ``engine``, one phrase a field (empty: the pages fit).

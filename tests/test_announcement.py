@@ -29,7 +29,9 @@ def _announcement(**changes: Any) -> Announcement:
 def test_what_is_written_reads_back_the_same() -> None:
     announced = _announcement()
     params = announced.to_params()
-    assert set(params) == {TRANSFER_PARAM}
+    # vLLM's own P/D fields: its decode counts a remote prefill and cleans up after a rejection by them.
+    assert set(params) == {TRANSFER_PARAM, "do_remote_prefill", "do_remote_decode"}
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert read_announcement(params) == announced
     assert read_announcement({"do_remote_decode": True}) is None
     assert read_announcement(None) is None

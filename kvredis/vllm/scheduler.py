@@ -170,6 +170,11 @@ class KVRedisScheduler:
             return None
         if announced is None:
             return None
+        if getattr(request, "abort_immediately", False):
+            # vLLM's clean-up of a request it refused (0.32+): its serving layer's stand-in for a rejected
+            # request (the real id and kv_transfer_params, one token [0], no adapter or salt), or 0.34's
+            # engine paused. It never runs; only the transfer its id names is released.
+            return _Announcement(announced.entry_id, ["refused"], list(announced.shards or self._shards))
         if announced.context is not None and announced.context != context:
             # A transfer announced for another adapter, tenant or set of images (a proxy or client mixing up
             # requests): its chunks' keys differ from this request's. Compute at once.

@@ -1028,6 +1028,34 @@ def test_an_announced_request_aborted_before_loading_deletes_its_entry(make_engi
     assert consumer.stats["discarded_entries"] == 1 and consumer.stats["loaded_requests"] == 0
 
 
+@pytest.mark.parametrize("stand_in", [True, False], ids=["serving-layer-rejection", "engine-paused"])
+def test_a_request_vllm_refuses_releases_its_transfer(make_engine, caplog, stand_in: bool) -> None:
+    """vLLM's clean-up of a decode request it refused: the serving layer, when a request with
+    do_remote_prefill fails validation, adds a one-token stand-in ([0], the real id and kv_transfer_params,
+    no adapter or salt) with abort_immediately; 0.34 does the same with the real request when the engine is
+    paused. The connector releases the announced transfer either way, without a warning about the stand-in's
+    tokens or context, and counts nothing skipped."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prompt = prompt_of(90, seed=146)
+    params = producer.produce("p", prompt, cache_salt="tenant-a")
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert redis_keys(consumer.redis_url, consumer.namespace)
+    with caplog.at_level(logging.WARNING, logger="kvredis"):
+        if stand_in:
+            request = consumer.add("c", [0], max_tokens=1, params=dict(params))
+        else:
+            request = consumer.add("c", prompt, params=dict(params), cache_salt="tenant-a")
+        request.abort_immediately = True  # what EngineCore.add_request reads before aborting it
+        consumer.scheduler.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+    consumer.wait_discarded()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+    assert not [r for r in caplog.records if r.name.startswith("kvredis")], caplog.text
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert consumer.stats["discarded_entries"] == 1
+    assert "skipped_requests" not in consumer.stats and consumer.stats["loaded_requests"] == 0
+
+
 def test_an_entry_from_an_engine_configured_differently_is_not_waited_for(make_engine, caplog) -> None:
     """The announcement says what the prefill engine wrote for; a decode that differs computes at once,
     says once what differs, and deletes the entry (which cannot fit)."""
