@@ -38,7 +38,7 @@ class DemoResult:
     """What one request through the proxy did and how its answer compared."""
 
     prompt_tokens: int
-    cached_tokens: int | None
+    loaded_tokens: float  # prompt tokens the decode's connector loaded from Redis
     kv_bytes: float
     store_s: float | None
     load_s: float | None
@@ -61,8 +61,8 @@ class DemoResult:
 
     @property
     def from_redis(self) -> bool:
-        """The decode took exactly one entry from Redis, missed none, and reused all but the last token."""
-        return self.loaded == 1 and self.misses == 0 and self.cached_tokens == self.prompt_tokens - 1
+        """The decode took exactly one transfer from Redis, missed none, and loaded all but the last token."""
+        return self.loaded == 1 and self.misses == 0 and self.loaded_tokens == self.prompt_tokens - 1
 
 
 DEMO_LENGTHS = (12, 31, 32, 75, 200, 480)
@@ -137,6 +137,7 @@ def _progress(items: Sequence[DemoRequest], what: str, out: TextIO) -> Iterator[
 
 def _run_disaggregated(running: RunningStack, request: DemoRequest, prompt: str) -> DemoResult:
     decode_before = _all_kvredis_metrics(running.decode_urls, running.namespace)
+    loaded_before = _loaded_tokens(running.decode_urls)
     prefill_before = _all_kvredis_metrics(running.prefill_urls, running.namespace)
     body = {
         "model": running.model, "prompt": prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
@@ -144,18 +145,22 @@ def _run_disaggregated(running: RunningStack, request: DemoRequest, prompt: str)
     }
     answer, usage, ttft_s = stream_completion(running.proxy_url, body)
     decode = _delta(_all_kvredis_metrics(running.decode_urls, running.namespace), decode_before)
+    prompt_tokens = int(usage.get("prompt_tokens", -1))
     # The prefill writes to Redis on a background thread and counts when the write ends, which can be
-    # after the decode took the entry; wait (bounded) for the count.
+    # after the decode took the transfer; vLLM publishes the decode's connector counts after its step. Wait
+    # (bounded) for both. (The decode's usage reports the prefill's prefix-cache hit, as vLLM does for a
+    # remote prefill: the connector's count says what came from Redis.)
     deadline = time.monotonic() + 5.0
     while True:
         prefill = _delta(_all_kvredis_metrics(running.prefill_urls, running.namespace), prefill_before)
-        if prefill.get("kvredis_entries_stored_total", 0) >= 1 or time.monotonic() > deadline:
+        loaded = _loaded_tokens(running.decode_urls) - loaded_before
+        if ((prefill.get("kvredis_entries_stored_total", 0) >= 1 and loaded >= prompt_tokens - 1)
+                or time.monotonic() > deadline):
             break
         time.sleep(0.05)
-    details = usage.get("prompt_tokens_details") or {}
     return DemoResult(
-        prompt_tokens=int(usage.get("prompt_tokens", -1)),
-        cached_tokens=details.get("cached_tokens"),
+        prompt_tokens=prompt_tokens,
+        loaded_tokens=loaded,
         kv_bytes=decode.get('kvredis_bytes_total{direction="loaded"}', 0.0),
         store_s=prefill.get("kvredis_store_seconds_sum"),
         load_s=decode.get("kvredis_load_seconds_sum"),
@@ -293,6 +298,13 @@ def kvredis_metrics(base_url: str, namespace: str) -> dict[str, float]:
     return parse_samples(fetch_metrics(base_url), "kvredis_", {"namespace": namespace})
 
 
+def _loaded_tokens(base_urls: Sequence[str]) -> float:
+    """The prompt tokens the engines' connectors loaded from Redis (``vllm:kvredis_loaded_tokens_total``)."""
+    return sum(value for base_url in base_urls
+               for value in parse_samples(fetch_metrics(base_url), "vllm:kvredis_loaded_tokens_total",
+                                          {}).values())
+
+
 def _all_kvredis_metrics(base_urls: Sequence[str], namespace: str) -> dict[str, float]:
     """:func:`kvredis_metrics` summed over several engines (the demo sends one request at a time)."""
     total: dict[str, float] = {}
@@ -364,13 +376,13 @@ def format_summary(results: Sequence[DemoResult]) -> str:
 
 def format_table(results: Sequence[DemoResult]) -> str:
     """The demo's per-request table."""
-    header = ("#", "prompt tokens", "cached", "KV bytes via Redis", "store ms", "load ms", "TTFT ms",
+    header = ("#", "prompt tokens", "loaded", "KV bytes via Redis", "store ms", "load ms", "TTFT ms",
               "from Redis", "matched", "answer")
     rows = [header]
     for index, result in enumerate(results, 1):
         rows.append((
             str(index), str(result.prompt_tokens),
-            "-" if result.cached_tokens is None else str(result.cached_tokens),
+            f"{result.loaded_tokens:.0f}",
             f"{result.kv_bytes:,.0f}", _ms(result.store_s), _ms(result.load_s), _ms(result.ttft_s),
             "yes" if result.from_redis else "NO", "yes" if result.matched else "NO", _abridged(result.answer),
         ))
@@ -383,6 +395,8 @@ def format_table(results: Sequence[DemoResult]) -> str:
         "KV bytes: payload the decode took from Redis (kvredis_bytes_total); store ms: the prefill's write "
         "(kvredis_store_seconds); load ms: the decode's blocking pop and read, including any wait for the "
         "write (kvredis_load_seconds); TTFT: first generated text seen by the client through the proxy "
-        "(prefill + transfer + first decode step); cached: prompt tokens the decode did not compute."
+        "(prefill + transfer + first decode step); loaded: prompt tokens the decode's connector loaded from "
+        "Redis (`vllm:kvredis_loaded_tokens_total`; its usage reports the prefill's prefix-cache hit as cached "
+        "tokens, as vLLM does for every remote prefill)."
     )
     return "\n".join([*lines, "", textwrap.fill(notes, _NOTES_WIDTH)])

@@ -54,10 +54,10 @@ def test_demo_requests_have_the_planned_lengths_and_differ() -> None:
 
 
 def test_table_and_verdicts() -> None:
-    good = DemoResult(prompt_tokens=12, cached_tokens=11, kv_bytes=65728, store_s=0.003, load_s=0.004,
+    good = DemoResult(prompt_tokens=12, loaded_tokens=11, kv_bytes=65728, store_s=0.003, load_s=0.004,
                       loaded=1, misses=0, ttft_s=0.1, answer="t5 t6 t7 t8 t9", reference="t5 t6 t7 t8 t9",
                       reference_cached=0)
-    recomputed = DemoResult(prompt_tokens=12, cached_tokens=0, kv_bytes=0, store_s=0.003, load_s=5.0,
+    recomputed = DemoResult(prompt_tokens=12, loaded_tokens=0, kv_bytes=0, store_s=0.003, load_s=5.0,
                             loaded=0, misses=1, ttft_s=5.2, answer="t5", reference="t6", reference_cached=0)
     assert good.matched and good.from_redis and good.reference_alone
     assert not recomputed.matched and not recomputed.from_redis
@@ -189,10 +189,10 @@ def test_readme_shows_the_demo_output_as_format_table_and_format_summary_print_i
         if not line:
             break
         cells = line.split()
-        prompt, cached, kv_bytes, store_ms, load_ms, ttft_ms, from_redis, matched = cells[1:9]
+        prompt, loaded, kv_bytes, store_ms, load_ms, ttft_ms, from_redis, matched = cells[1:9]
         answer = " ".join(cells[9:]).removesuffix(" ...") + (" t1" if cells[-1] == "..." else "")
         results.append(DemoResult(
-            prompt_tokens=int(prompt), cached_tokens=int(cached), kv_bytes=float(kv_bytes.replace(",", "")),
+            prompt_tokens=int(prompt), loaded_tokens=int(loaded), kv_bytes=float(kv_bytes.replace(",", "")),
             store_s=float(store_ms) / 1000, load_s=float(load_ms) / 1000,
             loaded=1.0 if from_redis == "yes" else 0.0, misses=0.0, ttft_s=float(ttft_ms) / 1000,
             answer=answer, reference=answer if matched == "yes" else "", reference_cached=0,

@@ -311,12 +311,21 @@ def tokens_of(answer: dict[str, Any]) -> list[int]:
 
 
 def cached_tokens(answer: dict[str, Any]) -> int:
+    """The prompt tokens vLLM reports cached. A decode given a prefill's kv_transfer_params
+    (``do_remote_prefill``) reports the prefill's own prefix-cache hit, not what it loaded: read
+    :func:`loaded_tokens` for that."""
     return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     return {name: int(after.get(name, 0) - before.get(name, 0))
             for name in set(before) | set(after) if after.get(name, 0) != before.get(name, 0)}
+
+
+def loaded_tokens(server: Server, before: dict[str, float], expected: int) -> int:
+    """Prompt tokens ``server``'s connector loaded from Redis since ``before``, once ``expected`` of them
+    show (or the stats bound passed)."""
+    return wait_counters(server, before, {"loaded_tokens": expected}).get("loaded_tokens", 0)
 
 
 def wait_counters(server: Server, before: dict[str, float], expected: dict[str, int],

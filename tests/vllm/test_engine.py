@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
 
@@ -32,6 +33,7 @@ from engine_servers import (
     cached_tokens,
     counter_delta,
     kv_transfer_config,
+    loaded_tokens,
     prompt_of,
     start_redis,
     start_server,
@@ -43,6 +45,7 @@ from redis_servers import wait_until
 
 from kvredis import codec
 from kvredis.config import KVRedisConfig
+from kvredis.tinymodel import prompt_text
 
 START_TIMEOUT_S = 300.0
 CHUNK_TOKENS = KVRedisConfig().chunk_tokens  # the default, a multiple of the engines' block size
@@ -113,12 +116,14 @@ def test_decode_matches_an_engine_without_connector_and_loads_every_prompt(deplo
     references = reference_answers(deployment, prompts)
     for prompt, expected in zip(prompts, references, strict=True):
         params = deployment.prefill_params(prompt)
+        seen = deployment.decode.counters()
         decoded = deployment.decode.complete(prompt, params=params)
         assert tokens_of(decoded) == tokens_of(expected), f"{len(prompt)} tokens"
         assert len(tokens_of(decoded)) == DECODE_TOKENS
-        assert cached_tokens(decoded) == len(prompt) - 1, \
+        assert loaded_tokens(deployment.decode, seen, len(prompt) - 1) == len(prompt) - 1, \
             f"{len(prompt)} tokens: KV not loaded\n{diagnosis(deployment, prefill_before)}"
-        assert cached_tokens(expected) == 0  # every prompt is new to the reference engine
+        # vLLM's remote-prefill accounting: the decode reports the prefill's prefix-cache hit (none here).
+        assert cached_tokens(decoded) == 0 and cached_tokens(expected) == 0
     loaded = sum(len(p) - 1 for p in prompts)
     decode_delta = wait_counters(deployment.decode, decode_before,
                                  {"loaded_requests": len(prompts), "loaded_tokens": loaded})
@@ -146,9 +151,11 @@ def test_concurrent_requests_are_batched_and_all_loaded(deployment: Deployment) 
                                 zip(prompts, params, strict=True)))
     for prompt, got, want in zip(prompts, decoded, expected, strict=True):
         assert tokens_of(got) == tokens_of(want), f"{len(prompt)} tokens"
-        assert cached_tokens(got) == len(prompt) - 1
-    delta = wait_counters(deployment.decode, before, {"loaded_requests": len(prompts)})
+    loaded = sum(len(prompt) - 1 for prompt in prompts)
+    delta = wait_counters(deployment.decode, before,
+                          {"loaded_requests": len(prompts), "loaded_tokens": loaded})
     assert delta.get("loaded_requests") == len(prompts) and "load_failures" not in delta
+    assert delta.get("loaded_tokens") == loaded
     assert deployment.stored_keys() == []
 
 
@@ -174,13 +181,68 @@ def test_the_prefill_writes_while_a_decode_waits_for_its_entry(deployment: Deplo
             deployment.transfer_records(timeout_s=TEST_TIMEOUTS["pop_timeout_s"])  # the held one is renamed
             # Written while the decode still waits: it has not given up on the first entry.
             assert decode_waiting() and not waiting.done()
+            seen = deployment.decode.counters()
             client.rename(queue + ":late", queue)  # the write lands; the waiting decode takes it
             decoded = waiting.result(timeout=REQUEST_TIMEOUT_S)
-        assert cached_tokens(decoded) == len(held) - 1 and tokens_of(decoded) == expected[0]
+        assert tokens_of(decoded) == expected[0]
+        assert loaded_tokens(deployment.decode, seen, len(held) - 1) == len(held) - 1
+        seen = deployment.decode.counters()
         decoded = deployment.decode.complete(other, params=other_params)
-        assert cached_tokens(decoded) == len(other) - 1 and tokens_of(decoded) == expected[1]
+        assert tokens_of(decoded) == expected[1]
+        assert loaded_tokens(deployment.decode, seen, len(other) - 1) == len(other) - 1
     finally:
         client.close()
+    assert deployment.stored_keys() == []
+
+
+# -- vLLM's own P/D protocol ------------------------------------------------------------------------
+
+
+def test_a_decode_reports_its_prefills_cache_hit_as_vllm_does(deployment: Deployment) -> None:
+    """The prefill's kv_transfer_params say do_remote_prefill, so vLLM adds the prefill's prefix-cache hit
+    (remote_prefill_cached_tokens) and the decode reports that hit as its cached tokens, as with vLLM's own
+    connectors. The decode still loads only what its own prefix cache lacks."""
+    shared = prompt_of(160, seed=90)
+    first, second = shared + prompt_of(20, seed=91), shared + prompt_of(30, seed=92)
+    expected = tokens_of(reference_answers(deployment, [second])[0])
+    deployment.decode.complete(first, params=deployment.prefill_params(first))
+    params = deployment.prefill_params(second)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    hit = params["remote_prefill_cached_tokens"]  # the prefill computed ``first`` just before
+    assert 0 < hit <= len(shared) and hit % 16 == 0, params
+    seen = deployment.decode.counters()
+    decoded = deployment.decode.complete(second, params=params)
+    assert tokens_of(decoded) == expected
+    assert cached_tokens(decoded) == hit
+    # The decode's own cache holds the same blocks of ``shared``: it loads the rest of the prompt, no more.
+    assert loaded_tokens(deployment.decode, seen, len(second) - 1 - hit) == len(second) - 1 - hit
+    assert deployment.stored_keys() == []
+
+
+def test_a_request_the_decodes_serving_layer_rejects_releases_its_transfer(deployment: Deployment) -> None:
+    """vLLM's clean-up when a decode's serving layer rejects a request that carries a prefill's
+    kv_transfer_params (here: more tokens asked for than the model's length): the request never reaches the
+    engine; vLLM adds a one-token stand-in with those params, aborted at once, and the connector releases
+    the transfer. Nothing waits for its TTL, and the engine serves on."""
+    prompt = prompt_of(150, seed=94)
+    (expected,) = reference_answers(deployment, [prompt])
+    before = deployment.decode.counters()
+    params = deployment.prefill_params(prompt)
+    assert deployment.transfer_records()  # written
+    body = {"model": deployment.decode.model, "prompt": prompt_text(prompt), "max_tokens": 1_000_000,
+            "temperature": 0.0, "kv_transfer_params": params}
+    reply = requests.post(f"{deployment.decode.url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+    assert reply.status_code == 400, reply.text[:500]
+    wait_until(lambda: deployment.stored_keys() == [], 60, "the rejected request's transfer to be released")
+    # The same prompt, prefilled again and sent right, is served from Redis. (The scheduler's count of the
+    # release is published with the next engine step: this request's.)
+    params = deployment.prefill_params(prompt)
+    decoded = deployment.decode.complete(prompt, params=params)
+    assert tokens_of(decoded) == tokens_of(expected)
+    expected_counts = {"discarded_entries": 1, "loaded_requests": 1, "loaded_tokens": len(prompt) - 1}
+    delta = wait_counters(deployment.decode, before, expected_counts)
+    assert delta.pop("loaded_bytes") > 0
+    assert delta == expected_counts, delta
     assert deployment.stored_keys() == []
 
 
@@ -216,7 +278,6 @@ def test_a_corrupted_entry_is_rejected_and_the_prompt_recomputed(deployment: Dep
     _rewrite_chunks(deployment, flip, first_only=True)
     decoded = deployment.decode.complete(prompt, params=params)
     assert tokens_of(decoded) == tokens_of(expected)
-    assert cached_tokens(decoded) == 0
     warning = (rf"request {re.escape(decoded['id'])}-\S*: KV of 99 tokens not loaded from Redis "
                r"\(its chunks end at position 0 \(corrupt\)\)")
     deadline = time.monotonic() + 10
@@ -247,8 +308,7 @@ def test_a_consistently_altered_entry_changes_the_output(deployment: Deployment)
 
     _rewrite_chunks(deployment, alter)
     decoded = deployment.decode.complete(prompt, params=params)
-    assert cached_tokens(decoded) == len(prompt) - 1  # accepted and loaded ...
-    assert tokens_of(decoded) != expected  # ... and used
+    assert tokens_of(decoded) != expected  # loaded (the counters below) and used
     delta = wait_counters(deployment.decode, before, {"loaded_requests": 1})
     assert delta.pop("loaded_bytes") > 0
     assert delta == {"loaded_requests": 1, "loaded_tokens": 99}
@@ -268,7 +328,6 @@ def test_with_redis_stopped_decode_recomputes_and_warns(deployment: Deployment) 
     try:
         decoded = deployment.decode.complete(prompt, params=params)
         assert tokens_of(decoded) == expected[0]
-        assert cached_tokens(decoded) == 0
         request_id = decoded["id"]  # vLLM's internal id is this, a dash and a suffix
         deadline = time.monotonic() + 10
         while not re.search(rf"request {re.escape(request_id)}-\S*: KV of 149 tokens not loaded from Redis",
@@ -286,7 +345,8 @@ def test_with_redis_stopped_decode_recomputes_and_warns(deployment: Deployment) 
         deployment.redis.start()  # empty: what the stopped server held is gone
     # Both engines reconnect by themselves once Redis is back.
     params = deployment.prefill_params(after)
+    seen = deployment.decode.counters()
     decoded = deployment.decode.complete(after, params=params)
-    assert cached_tokens(decoded) == len(after) - 1
+    assert loaded_tokens(deployment.decode, seen, len(after) - 1) == len(after) - 1
     assert tokens_of(decoded) == expected[2]
     assert deployment.stored_keys() == []
