@@ -228,7 +228,7 @@ def test_an_announcement_for_one_image_is_never_loaded_for_another(vlm: Multimod
     assert time.monotonic() - started < POP_TIMEOUT_S, "a request waited for another image's entry"
     assert got.tokens == want["h"].tokens
     assert vlm.stored_keys() == left, "F's entry was touched by a request with image H"
-    wait_until(lambda: "names an entry written for another" in vlm.decode.log_text(), 30, "the warning")
+    wait_until(lambda: "names a transfer written for another" in vlm.decode.log_text(), 30, "the warning")
     got = ask(vlm, vlm.decode, f, text, kv_transfer_params=params_f)
     assert got.tokens == want["f"].tokens and loaded_from_redis(vlm, got)
     delta = wait_counters(vlm.decode, before, {"loaded_requests": 2, "skipped_requests": 1}, timeout_s=90)
