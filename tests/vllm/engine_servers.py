@@ -102,6 +102,14 @@ class Server:
                 self.process.wait(timeout=10)
 
 
+def checkout_env() -> dict[str, str]:
+    """The environment of a process the tests start: this checkout first on ``PYTHONPATH``, so that it
+    imports the kvredis under test whatever the environment has installed (an editable install of
+    another checkout, say)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path)
+
+
 def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any] | None,
                  single_process: bool = False, tensor_parallel: int = 1, *, serve: bool = False,
                  block_size: int = BLOCK_SIZE, max_model_len: int = 2048,
@@ -113,9 +121,7 @@ def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any]
     the ``vllm`` console script); ``extra_args`` go on its command line."""
     port = free_port()
     log = folder / f"{name}.log"
-    # The engines import the kvredis under test (this checkout), whatever the environment has installed.
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path)
+    env = checkout_env()
     if serve:
         args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
     else:
@@ -251,7 +257,7 @@ def start_proxy(folder: Path, name: str, prefill_url: str, decode_url: str, redi
     with open(log, "wb") as out:
         # The engines' long bounds (this VM stalls): a delete waits as long for an entry being written.
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**os.environ, **TEST_TIMEOUT_ENV})
+                                   env={**checkout_env(), **TEST_TIMEOUT_ENV})
     proxy = Proxy(process, port, log)
     wait_until(proxy.ready, 60, "kvredis proxy listening")
     return proxy

@@ -54,6 +54,9 @@ START_TIMEOUT_S = 600.0  # four engines with LoRA on two cores: 2-4 minutes, mor
 REQUEST_TIMEOUT_S = 300.0
 DECODE_BLOCKS = 40  # x 32 tokens: three 400-token requests fill it
 MAX_MODEL_LEN = 1024
+COUNTERS_BOUND_S = 90.0
+"""How long a test waits for what an engine reports after answering (its counters, a log line, a record in
+Redis): longer than this VM's freezes (up to 46 s); a passing test never waits it out."""
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 """Turns join with a space: the word-level tokenizer reads each turn's words, so a second turn's prompt
 starts with the first turn's tokens (what lets prefix caching and Redis help a multi-turn chat)."""
@@ -303,6 +306,30 @@ def test_a_six_turn_chat_moves_only_what_the_decode_lacks(serving: Serving, vari
     serving.assert_no_keys()
 
 
+def test_two_requests_sharing_a_prefix_at_once_are_both_loaded(serving: Serving) -> None:
+    """Two prompts with a common prefix of four chunks and endings of their own, sent at once through the
+    proxy (one streamed), three rounds with a new prefix each: the transfers hold the shared chunks
+    together, so neither decode's release takes them from the other. Both answers are the engine alone's,
+    both decodes load from Redis with no failure, and no key is left."""
+    chunk = KVRedisConfig().chunk_tokens
+    for round_ in range(3):
+        prefix = prompt_of(4 * chunk, seed=1100 + round_)
+        prompts = [prefix + prompt_of(40, seed=1110 + round_), prefix + prompt_of(70, seed=1120 + round_)]
+        want = [complete(serving, serving.reference, prompt) for prompt in prompts]
+        before = serving.decode.counters()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda pair: complete(serving, serving.proxy, pair[1], stream=pair[0] == 1),
+                                enumerate(prompts)))
+        assert got == want, f"round {round_ + 1}"
+        delta = wait_counters(serving.decode, before, {"loaded_requests": 2}, timeout_s=COUNTERS_BOUND_S)
+        assert delta.get("loaded_requests") == 2 and "load_failures" not in delta, (round_ + 1, delta)
+        # Each loads what the decode's prefix cache lacks when it arrives: the other's blocks of the prefix
+        # may be there already, its own ending never is.
+        lacked = sum(len(prompt) - 1 - len(prefix) for prompt in prompts)
+        assert lacked <= delta["loaded_tokens"] <= sum(len(prompt) - 1 for prompt in prompts), delta
+        serving.assert_no_keys(timeout_s=60)
+
+
 # -- what decides an entry: the adapter, the tenant ------------------------------------------------
 
 
@@ -357,6 +384,60 @@ def test_cache_salt_keeps_tenants_apart(serving: Serving) -> None:
     delta = loaded(serving, before, 2)
     assert delta.get("loaded_requests") == 2, delta
     serving.assert_no_keys()
+
+
+# -- a chunk lost between the prefill and the decode ----------------------------------------------
+
+
+@pytest.mark.parametrize("lost", [1, 0], ids=["second-chunk", "first-chunk"])
+def test_a_chunk_lost_before_the_decode_reads_it(serving: Serving, lost: int) -> None:
+    """The prefill stores a prompt as three chunks and announces them, as the proxy asks; one of them goes
+    (evicted, say) before the decode reads it. The decode loads the chunks before it, reports the rest as
+    not loaded, and vLLM recomputes them: the answer is the engine alone's. The decode releases every chunk
+    of the transfer, those it did not read too: no key is left."""
+    chunk = KVRedisConfig().chunk_tokens
+    prompt = prompt_of(2 * chunk + 42, seed=1200 + lost)  # its first 169 tokens stored: 64, 64 and 41
+    stored = len(prompt) - 1
+    want = complete(serving, serving.reference, prompt)
+    params = serving.prefill_params(prompt)
+    (record,) = serving.transfer_records(timeout_s=COUNTERS_BOUND_S)
+    chunks = serving.transfer_chunks(record)
+    assert len(chunks) == 3, chunks
+    client = serving.redis.client()
+    try:
+        read_bytes = sum(client.strlen(key) for key in chunks[:lost])
+        assert client.delete(chunks[lost]) == 1
+        pops_before = blocked_pops(client)
+        before = serving.decode.counters()
+        answer = serving.decode.complete(prompt, params=params)
+        pops_after = blocked_pops(client)
+    finally:
+        client.close()
+    assert answer["choices"][0]["token_ids"] == want
+    loaded = lost * chunk
+    delta = wait_counters(serving.decode, before, {"load_failures": 1, "failed_tokens": stored - loaded},
+                          timeout_s=COUNTERS_BOUND_S)
+    assert delta.get("load_failures") == 1 and delta.get("failed_tokens") == stored - loaded, delta
+    assert delta.get("loaded_tokens", 0) == loaded and delta.get("loaded_bytes", 0) == read_bytes, delta
+    assert "loaded_requests" not in delta, delta
+    serving.assert_no_keys(timeout_s=60)
+    # It says why, naming the tokens it recomputes.
+    warning = re.compile(rf"request {re.escape(answer['id'])}-\S*: KV of (\d+) tokens not loaded from Redis "
+                         r"\((.*)\); vLLM recomputes them")
+    said = wait_until(lambda: warning.search(serving.decode.log_text()), COUNTERS_BOUND_S,
+                      f"the decode's warning for {answer['id']}")
+    assert said[1] == str(stored - loaded), said[0]
+    if lost:
+        # The record was there, a chunk was not: the warning says so, and nothing waits for a record after.
+        # (A lost first chunk is still taken for a missing record: kvredis's discard then waits the pop
+        # bound for the record the load took, and the warning names the record.)
+        assert said[2] == f"its chunks end at position {loaded} (absent)", said[0]
+        assert pops_after <= pops_before, "the decode waits for a record after its load ended"
+
+
+def blocked_pops(client: Any) -> int:
+    """Redis clients blocked in a BLPOP (a decode waiting for a transfer's record)."""
+    return sum(1 for c in client.client_list() if c.get("cmd") == "blpop" and "b" in c.get("flags", ""))
 
 
 # -- aborts, preemption -----------------------------------------------------------------------------
