@@ -395,8 +395,8 @@ def format_table(results: Sequence[DemoResult]) -> str:
         "KV bytes: payload the decode took from Redis (kvredis_bytes_total); store ms: the prefill's write "
         "(kvredis_store_seconds); load ms: the decode's blocking pop and read, including any wait for the "
         "write (kvredis_load_seconds); TTFT: first generated text seen by the client through the proxy "
-        "(prefill + transfer + first decode step); loaded: prompt tokens the decode's connector loaded from "
-        "Redis (`vllm:kvredis_loaded_tokens_total`; its usage reports the prefill's prefix-cache hit as cached "
-        "tokens, as vLLM does for every remote prefill)."
+        "(prefill + transfer + first decode step); loaded: prompt tokens the decode's connector loaded "
+        "from Redis (`vllm:kvredis_loaded_tokens_total`; its usage reports the prefill's prefix-cache hit as "
+        "cached tokens, as vLLM does for every remote prefill)."
     )
     return "\n".join([*lines, "", textwrap.fill(notes, _NOTES_WIDTH)])

@@ -55,7 +55,8 @@ class Saved:
 @dataclass
 class Taken:
     """What a take got: the pages of chunks ``first..`` in order (each ``[layers, pages, ...]``), ending at
-    the first chunk that could not be read, and why nothing more (``"hit"``: everything asked for)."""
+    the first chunk that could not be read, and why nothing more (``"hit"``: everything asked for;
+    ``"late"``: no transfer record within the pop bound, so nothing was read; else a chunk's cause)."""
 
     first: int
     chunks: list[torch.Tensor] = field(default_factory=list)
@@ -158,7 +159,7 @@ class Transfers:
             self.chunks.delete_keys([queue])
             return "foreign", ()
         if record is None:
-            return "absent", ()
+            return "late", ()
         try:
             held = _record_digests(record, transfer_id, self.prefix)
         except CodecError as exc:

@@ -100,11 +100,24 @@ def test_a_chunk_gone_before_the_decode_ends_what_it_takes(make_transfers) -> No
     assert keys_left(transfers) == []  # the chunk after the hole was released too
 
 
-def test_no_record_within_the_bound_is_absent(make_transfers) -> None:
+def test_no_record_within_the_bound_is_late(make_transfers) -> None:
     transfers = make_transfers(pop_timeout_s=0.2)
     plan = transfers.plan(list(range(40)))
     taken = transfers.take(plan, 0, 39, FORMAT, transfer_id=new_entry_id())
-    assert (taken.cause, taken.chunks) == ("absent", [])
+    assert (taken.cause, taken.chunks) == ("late", [])
+
+
+def test_a_lost_first_chunk_is_absent_not_late(make_transfers) -> None:
+    """The record came and the first chunk did not: nothing read, but the transfer was taken, so a reader
+    must not wait for its record again (it tells the two apart by the cause)."""
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(128)))
+    transfer = new_entry_id()
+    transfers.save(plan, prompt_pages(128), transfer_id=transfer)
+    transfers.store.delete([transfers.chunks.keys.chunk(plan.digests[0])])
+    taken = transfers.take(plan, 0, 127, FORMAT, transfer_id=transfer)
+    assert (taken.cause, taken.chunks, taken.stop(plan)) == ("absent", [], 0)
+    assert keys_left(transfers) == []
 
 
 def test_a_record_of_another_prompt_is_foreign_and_released(make_transfers) -> None:

@@ -348,9 +348,11 @@ class KVRedisWorker:
             self.counts.add(loaded_bytes=taken.nbytes)
         if taken.cause == "hit":
             return None, spec.stop
-        self.endpoint.metrics.miss(taken.cause if taken.cause in ("absent", "corrupt", "foreign", "partial")
-                                   else "mismatch")
-        if taken.cause == "absent" and spec.entry_id is not None and not taken.chunks:
+        miss = "absent" if taken.cause == "late" else taken.cause  # a record not there in time: absent
+        known = ("absent", "corrupt", "foreign", "partial")
+        self.endpoint.metrics.miss(miss if miss in known else "mismatch")
+        if taken.cause == "late":
+            assert spec.entry_id is not None
             # Announced but not written in time (a stalled prefill): released if it lands within a pop bound.
             self.discards.submit(spec.req_id, spec.entry_id, self.endpoint.keyspace.prefix)
             awaited = self.transfers.record_key(spec.entry_id)
