@@ -201,28 +201,32 @@ class ChunkStore:
         return frames.encode(meta, checksum=self.checksum)
 
     def write(self, plan: ChunkPlan, chunks: Sequence[tuple[int, torch.Tensor]], *,
-              holder: str | None = None) -> list[int]:
+              holder: str | None = None, record: tuple[str, bytes] | None = None) -> list[int]:
         """Write each ``(index, pages)`` unless Redis holds that chunk already (then it is left as it is);
         the bytes written for each (0: it was there). With ``holder``, each is held for that transfer
-        either way."""
-        if not chunks:
+        either way. With ``record`` (a list's key and a value), the value is then pushed onto that list
+        (its TTL refreshed), after every chunk: on one server in the same round trip."""
+        if not chunks and record is None:
             return []
         blobs = [(plan.digests[index], self.encode(plan, index, pages)) for index, pages in chunks]
         client = self.store.redis
         with self.store.guarded(f"writing {len(blobs)} chunks"):
-            replies = None if self.store.cluster else self._write_framed(client, blobs, holder)
+            replies = None if self.store.cluster else self._write_framed(client, blobs, holder, record)
             if replies is None:
                 # A script per chunk: one slot each, whatever node holds it (values pass through Lua: slower).
                 calls = [(self._pair(digest), [[blob.header, *blob.payload], self.ttl_ms, holder or ""])
                          for digest, blob in blobs]
                 replies = [bool(int(reply)) for reply in self._eval_each(client, _WRITE, calls)]
+                if record is not None:
+                    self.store.push_record(record[0], record[1], self.ttl_ms)
             return [blob.nbytes if _ok(reply) else 0 for (_, blob), reply in zip(blobs, replies, strict=True)]
 
     def _write_framed(self, client: Any, blobs: list[tuple[str, codec.Encoded]],
-                      holder: str | None) -> list[Any] | None:
+                      holder: str | None, record: tuple[str, bytes] | None = None) -> list[Any] | None:
         """:meth:`write` on one server, framed by kvredis: a transaction per chunk, SET NX (the value as its
         header and payload buffers, never joined nor passed through Lua) and the hold together, so no release
-        comes between them. Each SET's reply; ``None`` for a stand-in client."""
+        comes between them. The record, if any, is pushed in the last chunk's transaction (with no holder,
+        one of its own). Each SET's reply; ``None`` for a stand-in client."""
         commands: list[tuple[Any, ...]] = []
         for digest, blob in blobs:
             key, holders = self._pair(digest)
@@ -232,10 +236,27 @@ class ChunkStore:
                 continue
             commands += [("MULTI",), ("SET", key, value, "NX", "PX", self.ttl_ms), ("SADD", holders, holder),
                          ("PEXPIRE", holders, self.ttl_ms), ("PEXPIRE", key, self.ttl_ms), ("EXEC",)]
+        merged = record is not None and holder is not None and bool(blobs)
+        if record is not None:
+            queue, pushed = record
+            pushing = [("RPUSH", queue, pushed), ("PEXPIRE", queue, self.ttl_ms)]
+            if merged:
+                commands[-1:-1] = pushing
+            else:
+                commands += [("MULTI",), *pushing, ("EXEC",)]
         replies = self.store.call(client, *commands)
         if replies is None:
             return None
-        _no_errors(replies)
+        _no_errors(replies)  # the first error in order: a NOPERM when queued, not the EXECABORT after it
+        if merged:  # the last transaction: ... QUEUED QUEUED [SET, SADD, PEXPIRE, PEXPIRE, RPUSH, PEXPIRE]
+            last = replies[-1]
+            raise_first_error([*replies[-3:-1], last[4:] if isinstance(last, list) else last])
+            del replies[-3:-1]
+            if isinstance(last, list):
+                replies[-1] = last[:4]
+        elif record is not None:
+            raise_first_error(replies[-4:])
+            replies = replies[:-4]
         if holder is None:
             return replies
         executed = replies[5::6]  # EXEC's: [SET's, SADD's, PEXPIRE's, PEXPIRE's]
