@@ -19,9 +19,7 @@ multimodal inputs or a tenant's salt give the same tokens another key.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +42,7 @@ from kvredis.keys import (
     new_entry_id,
     prompt_digest,
 )
+from kvredis.memory import fresh_output
 from kvredis.metrics import Metrics
 
 logger = logging.getLogger("kvredis.buffer")
@@ -56,13 +55,6 @@ Allocate = Callable[[int], torch.Tensor]
 
 _MISS: tuple[None, None, None, None, None] = (None, None, None, None, None)
 _MIN_CHUNK, _MAX_CHUNK = 4096, 256 << 20  # KVREDIS_CHUNK_BYTES's range
-# Outputs of this range are received into memory advised to use transparent huge pages (Linux): filling
-# fresh memory is mostly page faults, and 2 MiB pages take 512 times fewer. Measured on the test VM
-# (docs/benchmarks.md): 128 MiB entries read in 52-80 ms instead of 95-110; at 16 MiB no gain (the allocator
-# reuses freed memory); from 256 MiB the results went both ways and 1 GiB reads got slower (a median of
-# 1.6 s instead of 0.76 s: fresh huge pages there cost more than they save), so those keep plain pages.
-_HUGE_OUTPUT_RANGE = (32 << 20, 128 << 20)
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 # Entries this large (and chunked) are hashed in a thread while their pieces are sent: at 128 MiB the
 # checksum took 14 ms of a 90 ms write, which the raw-socket reference does not spend (docs/benchmarks.md).
 _HASH_ALONGSIDE_BYTES = 32 << 20
@@ -342,7 +334,7 @@ class RedisLookupBuffer:
             raise CodecError(f"corrupt record: inconsistent piece layout {meta!r} for {total} bytes")
         piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
         sizes = [min(chunk, total - i * chunk) for i in range(count)]
-        out = _fresh_output(total) if allocate is None else _received(allocate, total)
+        out = fresh_output(total) if allocate is None else _received(allocate, total)
         try:
             bad = self.store.take_pieces(piece_keys, sizes, out.numpy().data.cast("B"))
         except KVRedisError as exc:
@@ -447,20 +439,6 @@ class _Alongside:
         if self._error is not None:
             raise self._error
         return self._result
-
-
-def _fresh_output(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 tensor of ``nbytes`` for an entry's pieces to be received into."""
-    if _HUGE_OUTPUT_RANGE[0] <= nbytes <= _HUGE_OUTPUT_RANGE[1] and _MADV_HUGEPAGE is not None:
-        try:
-            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except OSError:
-            pass  # no such mapping here: the allocator's memory will do
-        else:
-            with contextlib.suppress(OSError):  # transparent huge pages off: plain pages, still correct
-                region.madvise(_MADV_HUGEPAGE)
-            return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _pieces(frames: Sequence[memoryview], size: int) -> list[bytes | memoryview]:

@@ -30,10 +30,11 @@ from typing import Any
 import redis
 import torch
 
-from kvredis import codec
+from kvredis import codec, resp
 from kvredis.chunk_keys import ChunkKeys, ChunkPlan
 from kvredis.client import RedisStore, raise_first_error
 from kvredis.errors import CodecError, KVRedisError
+from kvredis.memory import fresh_output
 from kvredis.resp import RespError
 
 logger = logging.getLogger("kvredis.chunks")
@@ -200,28 +201,32 @@ class ChunkStore:
         return frames.encode(meta, checksum=self.checksum)
 
     def write(self, plan: ChunkPlan, chunks: Sequence[tuple[int, torch.Tensor]], *,
-              holder: str | None = None) -> list[int]:
+              holder: str | None = None, record: tuple[str, bytes] | None = None) -> list[int]:
         """Write each ``(index, pages)`` unless Redis holds that chunk already (then it is left as it is);
         the bytes written for each (0: it was there). With ``holder``, each is held for that transfer
-        either way."""
-        if not chunks:
+        either way. With ``record`` (a list's key and a value), the value is then pushed onto that list
+        (its TTL refreshed), after every chunk: on one server in the same round trip."""
+        if not chunks and record is None:
             return []
         blobs = [(plan.digests[index], self.encode(plan, index, pages)) for index, pages in chunks]
         client = self.store.redis
         with self.store.guarded(f"writing {len(blobs)} chunks"):
-            replies = None if self.store.cluster else self._write_framed(client, blobs, holder)
+            replies = None if self.store.cluster else self._write_framed(client, blobs, holder, record)
             if replies is None:
                 # A script per chunk: one slot each, whatever node holds it (values pass through Lua: slower).
                 calls = [(self._pair(digest), [[blob.header, *blob.payload], self.ttl_ms, holder or ""])
                          for digest, blob in blobs]
                 replies = [bool(int(reply)) for reply in self._eval_each(client, _WRITE, calls)]
+                if record is not None:
+                    self.store.push_record(record[0], record[1], self.ttl_ms)
             return [blob.nbytes if _ok(reply) else 0 for (_, blob), reply in zip(blobs, replies, strict=True)]
 
     def _write_framed(self, client: Any, blobs: list[tuple[str, codec.Encoded]],
-                      holder: str | None) -> list[Any] | None:
+                      holder: str | None, record: tuple[str, bytes] | None = None) -> list[Any] | None:
         """:meth:`write` on one server, framed by kvredis: a transaction per chunk, SET NX (the value as its
         header and payload buffers, never joined nor passed through Lua) and the hold together, so no release
-        comes between them. Each SET's reply; ``None`` for a stand-in client."""
+        comes between them. The record, if any, is pushed in the last chunk's transaction (with no holder,
+        one of its own). Each SET's reply; ``None`` for a stand-in client."""
         commands: list[tuple[Any, ...]] = []
         for digest, blob in blobs:
             key, holders = self._pair(digest)
@@ -231,10 +236,27 @@ class ChunkStore:
                 continue
             commands += [("MULTI",), ("SET", key, value, "NX", "PX", self.ttl_ms), ("SADD", holders, holder),
                          ("PEXPIRE", holders, self.ttl_ms), ("PEXPIRE", key, self.ttl_ms), ("EXEC",)]
+        merged = record is not None and holder is not None and bool(blobs)
+        if record is not None:
+            queue, pushed = record
+            pushing = [("RPUSH", queue, pushed), ("PEXPIRE", queue, self.ttl_ms)]
+            if merged:
+                commands[-1:-1] = pushing
+            else:
+                commands += [("MULTI",), *pushing, ("EXEC",)]
         replies = self.store.call(client, *commands)
         if replies is None:
             return None
-        _no_errors(replies)
+        _no_errors(replies)  # the first error in order: a NOPERM when queued, not the EXECABORT after it
+        if merged:  # the last transaction: ... QUEUED QUEUED [SET, SADD, PEXPIRE, PEXPIRE, RPUSH, PEXPIRE]
+            last = replies[-1]
+            raise_first_error([*replies[-3:-1], last[4:] if isinstance(last, list) else last])
+            del replies[-3:-1]
+            if isinstance(last, list):
+                replies[-1] = last[:4]
+        elif record is not None:
+            raise_first_error(replies[-4:])
+            replies = replies[:-4]
         if holder is None:
             return replies
         executed = replies[5::6]  # EXEC's: [SET's, SADD's, PEXPIRE's, PEXPIRE's]
@@ -251,11 +273,127 @@ class ChunkStore:
         keys = [self.keys.chunk(plan.digests[index]) for index in indexes]
         client = self.store.redis
         with self.store.guarded(f"reading {len(keys)} chunks"):
-            commands = [("GETEX", key, "PX", self.ttl_ms) if refresh_ttl else ("GET", key) for key in keys]
-            values = self._run(client, commands)
-            for value in values:  # raised here, to be named as the Redis error it is
-                if _is_error(value) and "WRONGTYPE" not in str(value):
-                    _raise(value)
+            fetched = None
+            if not self.store.cluster:
+                fetched = self._fetch_framed(client, plan, indexes, keys, page_format, refresh_ttl)
+            values = fetched[1] if fetched is not None else self._fetch(client, keys, refresh_ttl)
+            _raise_unless_wrongtype(values)
+        return self._checked_reads(plan, indexes, keys, values, page_format)
+
+    def take(self, plan: ChunkPlan, indexes: Sequence[int], page_format: PageFormat, *, queue: str | None,
+             wait_s: float, release: Sequence[str], holder: str) -> tuple[Any, list[ChunkRead]] | None:
+        """In one round trip on one server: take the oldest record of list ``queue`` (a blocking pop, waiting
+        up to ``wait_s``; none without a queue), read chunks ``indexes`` as :meth:`read` does, then drop
+        ``holder``'s hold on each of ``release`` as :meth:`release` does. Redis runs them in that order, so
+        the chunks are read after the record came and before they are released. The pop's reply (the
+        record, ``None`` when none came, or the error reply of a key holding another type) and the reads;
+        ``None`` on a cluster or a stand-in client, whose callers do each step on its own.
+
+        The reads and the release run whether or not a record came: a caller that finds none (or a record of
+        another prompt) has released the holds ``holder`` had on ``release`` all the same."""
+        if self.store.cluster:
+            return None
+        keys = [self.keys.chunk(plan.digests[index]) for index in indexes]
+        sha = _sha(_RELEASE)
+        before = [] if queue is None else [("BLPOP", queue, f"{max(wait_s, 0.001):.3f}")]
+        after = [("EVALSHA", sha, 2, *self._pair(digest), holder) for digest in release]
+        client = self.store.popper if queue is not None else self.store.redis
+        with self.store.guarded(f"taking {len(keys)} chunks"):
+            fetched = self._fetch_framed(client, plan, indexes, keys, page_format, False, before, after)
+            if fetched is None:
+                return None
+            popped, values, released = fetched
+            if isinstance(popped, RespError) and "WRONGTYPE" not in str(popped):
+                _raise(popped)
+            missing = []
+            for digest, reply in zip(release, released, strict=True):
+                if _is_error(reply) and "NOSCRIPT" in str(reply):
+                    missing.append(digest)
+                elif _is_error(reply):
+                    _raise(reply)
+            if missing:  # the script was not loaded yet: those releases did not run
+                self._eval_each(client, _RELEASE, [(self._pair(digest), [holder]) for digest in missing])
+            _raise_unless_wrongtype(values)
+        record = popped[1] if isinstance(popped, list) and len(popped) == 2 else popped
+        return record, self._checked_reads(plan, indexes, keys, values, page_format)
+
+    def _fetch(self, client: Any, keys: list[str], refresh_ttl: bool) -> list[Any]:
+        """Each chunk's whole value (or ``None``, or an error reply), in one round trip."""
+        commands = [("GETEX", key, "PX", self.ttl_ms) if refresh_ttl else ("GET", key) for key in keys]
+        values = self._run(client, commands)
+        _raise_unless_wrongtype(values)
+        return values
+
+    def _fetch_framed(self, client: Any, plan: ChunkPlan, indexes: Sequence[int], keys: list[str],
+                      page_format: PageFormat, refresh_ttl: bool, before: Sequence[tuple[Any, ...]] = (),
+                      after: Sequence[tuple[Any, ...]] = ()) -> tuple[Any, list[Any], list[Any]] | None:
+        """The chunks read on one server, framed by kvredis, between commands ``before`` (at most one) and
+        ``after``: the reply of ``before``, each chunk's value, the replies of ``after``; ``None`` for a
+        stand-in client.
+
+        Each chunk's payload is received straight into one output buffer allocated for all of them (huge
+        pages for large reads, :mod:`kvredis.memory`), its header into a small buffer of its own: the
+        payload's length is known from the page format, and it is the value's tail. A chunk of at most
+        ``KVREDIS_CHUNK_BYTES`` is one GET; a larger one is read in pieces of that size (as the lookup
+        buffer's entries are: Redis moves 1 MiB replies much faster than one multi-MiB reply) inside one
+        MULTI/EXEC with its STRLEN, so the pieces are one snapshot of the value: never two values' bytes.
+        A value whose length does not fit the layout (another format, a planted value) is fetched again
+        whole and checked as such, so it is dropped for the same cause as ever."""
+        piece = max(self.store.config.chunk_bytes, 1)
+        sizes = [self._payload_nbytes(plan, index, page_format) for index in indexes]
+        out = fresh_output(sum(sizes)).numpy().data.cast("B")
+        commands: list[tuple[Any, ...]] = list(before)
+        places: list[resp.Place | None] = [None] * len(before)
+        costs: list[int] = [0] * len(before)
+        reads: list[_Read] = []
+        offset = 0
+        for key, size in zip(keys, sizes, strict=True):
+            read = _Read(out[offset:offset + size], piece)
+            offset += size
+            reads.append(read)
+            read.first = read.last = len(commands)
+            if size <= piece:
+                commands.append(("GETEX", key, "PX", self.ttl_ms) if refresh_ttl else ("GET", key))
+                places.append(read.place_whole)
+                costs.append(size)
+                continue
+            # The header is what precedes the payload's ``size`` bytes; the pieces are counted from the end.
+            ranges = [("GETRANGE", key, 0, -size - 1)]
+            ranges += [("GETRANGE", key, start - size, min(start + piece, size) - size - 1)
+                       for start in range(0, size, piece)]
+            expiry = [("PEXPIRE", key, self.ttl_ms)] if refresh_ttl else []
+            group = [("MULTI",), ("STRLEN", key), *ranges, *expiry, ("EXEC",)]
+            read.last = len(commands) + len(group) - 1
+            commands += group
+            places += [None] * (len(group) - 1) + [read.place_pieces]
+            costs += [0] * (len(group) - 1) + [size]
+        first_after = len(commands)
+        commands += after
+        places += [None] * len(after)
+        costs += [0] * len(after)
+        replies = self.store.pipeline(client, commands, places, costs, self.store.config.inflight_bytes)
+        if replies is None:
+            return None
+        values = [read.value(replies, size) for read, size in zip(reads, sizes, strict=True)]
+        again = [i for i, value in enumerate(values) if value is _AGAIN]
+        if again:
+            whole = self._fetch(self.store.redis, [keys[i] for i in again], refresh_ttl)
+            for i, value in zip(again, whole, strict=True):
+                values[i] = value
+        return (replies[0] if before else None), values, replies[first_after:]
+
+    def _payload_nbytes(self, plan: ChunkPlan, index: int, page_format: PageFormat) -> int:
+        """The payload length of chunk ``index`` written in ``page_format``: its tokens, then its pages."""
+        start, stop = plan.span(index)
+        blocks = -(-(stop - start) // self.block_size)
+        pages = page_format.dtype.itemsize
+        for dim in page_format.shape(blocks * page_format.pages_per_block):
+            pages *= dim
+        return _aligned(8 * (stop - start)) + _aligned(pages)
+
+    def _checked_reads(self, plan: ChunkPlan, indexes: Sequence[int], keys: list[str], values: list[Any],
+                       page_format: PageFormat) -> list[ChunkRead]:
+        """Each value checked (:meth:`_verified`); those that fail a check deleted."""
         reads = []
         bad: list[str] = []
         for index, key, value in zip(indexes, keys, values, strict=True):
@@ -275,11 +413,21 @@ class ChunkStore:
         return reads
 
     def _verified(self, plan: ChunkPlan, index: int, value: Any, page_format: PageFormat) -> ChunkRead:
-        """The chunk's pages if ``value`` is exactly what chunk ``index`` of ``plan`` must hold."""
-        if not isinstance(value, (bytes, bytearray)):
-            return ChunkRead(index, None, "foreign")
+        """The chunk's pages if ``value`` (a whole value, or a :class:`_Split` one) is exactly what chunk
+        ``index`` of ``plan`` must hold."""
         try:
-            tensors, meta = codec.decode(value, max_payload_bytes=self.max_chunk_bytes, verify=self.checksum)
+            if isinstance(value, _Split):
+                header = codec.read_header(value.header, max_payload_bytes=self.max_chunk_bytes)
+                if header.payload_offset != len(value.header):  # not the layout the split assumed
+                    return self._verified(plan, index, value.joined(), page_format)
+                tensors = codec.decode_payload(header, value.payload, verify=self.checksum)
+                meta, nbytes = header.meta, value.nbytes
+            elif isinstance(value, (bytes, bytearray)):
+                tensors, meta = codec.decode(value, max_payload_bytes=self.max_chunk_bytes,
+                                             verify=self.checksum)
+                nbytes = len(value)
+            else:
+                return ChunkRead(index, None, "foreign")
         except CodecError as exc:
             cause = "foreign" if "foreign" in str(exc) or "version" in str(exc) else "corrupt"
             logger.debug("chunk %d of a prompt: %s", index, exc)
@@ -301,7 +449,7 @@ class ChunkStore:
             logger.warning("chunk %d holds %s; this engine needs %s %s", index, found, expected,
                            page_format.dtype)
             return ChunkRead(index, None, "mismatch")
-        return ChunkRead(index, pages, "hit", len(value))
+        return ChunkRead(index, pages, "hit", nbytes)
 
     # -- releasing --------------------------------------------------------------------------------
 
@@ -336,6 +484,14 @@ def _raise(reply: Any) -> None:
     raise_first_error([reply])
 
 
+def _raise_unless_wrongtype(values: list[Any]) -> None:
+    """Raise the first error reply among a read's values but WRONGTYPE (a foreign value at a chunk's key,
+    which reads as such), to be named as the Redis error it is (NOPERM...)."""
+    for value in values:
+        if _is_error(value) and "WRONGTYPE" not in str(value):
+            _raise(value)
+
+
 def _no_errors(replies: list[Any]) -> list[Any]:
     """``replies``, once none of them is an error (the first one is raised)."""
     for reply in replies:
@@ -347,3 +503,95 @@ def _no_errors(replies: list[Any]) -> list[Any]:
 def _ok(reply: Any) -> bool:
     """Whether a SET's reply says it stored the value (``NX`` answers nil when the key was there)."""
     return reply is True or reply in ("OK", b"OK")
+
+
+def _sha(source: str) -> str:
+    sha = _SHAS.get(source)
+    if sha is None:
+        sha = _SHAS[source] = hashlib.sha1(source.encode()).hexdigest()
+    return sha
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + codec.ALIGN - 1) // codec.ALIGN * codec.ALIGN
+
+
+_MIN_HEADER = codec.ALIGN  # a blob's prefix and header, padded: never less than this
+_AGAIN = object()
+"""A chunk read in pieces whose value did not have the layout expected: to be fetched again whole."""
+
+
+@dataclass
+class _Split:
+    """A chunk's value as received: its header (what precedes the payload) and its payload, in place."""
+
+    header: bytearray
+    payload: memoryview
+    nbytes: int
+
+    def joined(self) -> bytearray:
+        """The whole value in one buffer (a copy: for values that fail the split's assumptions)."""
+        return self.header + self.payload
+
+
+class _Read:
+    """Where one chunk's reply goes: the payload into its slot of the output, the header into a buffer of
+    its own. Its ``place_*`` methods are the reply's :data:`kvredis.resp.Place`."""
+
+    __slots__ = ("first", "header", "last", "payload", "piece", "pieces")
+
+    def __init__(self, payload: memoryview, piece: int) -> None:
+        self.payload = payload
+        self.piece = piece
+        self.first = self.last = 0  # the indexes of its first and last commands (GET; MULTI and EXEC)
+        self.header: bytearray | None = None
+        self.pieces = -1  # bulk replies of a piecewise read seen so far (-1: the header's next)
+
+    def place_whole(self, length: int) -> list[memoryview] | None:
+        """A GET's value: the header, then the payload in place (if the length allows that layout)."""
+        header = length - self.payload.nbytes
+        if header < _MIN_HEADER or header % codec.ALIGN or header > codec.MAX_HEADER_BYTES + codec.ALIGN:
+            return None
+        self.header = bytearray(header)
+        return [memoryview(self.header), self.payload]
+
+    def place_pieces(self, length: int) -> list[memoryview] | None:
+        """The bulk replies inside a piecewise read's EXEC: the header (kept as it is), then each piece into
+        its slot if it has the length expected."""
+        seen, self.pieces = self.pieces, self.pieces + 1
+        if seen < 0:
+            return None
+        start = seen * self.piece
+        expected = min(self.piece, self.payload.nbytes - start)
+        if length != expected or expected <= 0:
+            return None
+        return [self.payload[start:start + length]]
+
+    def value(self, replies: list[Any], size: int) -> Any:
+        """The chunk's value from its replies: whole, :class:`_Split`, ``None`` (absent), an error reply
+        (WRONGTYPE), or :data:`_AGAIN`."""
+        reply = replies[self.first]
+        if isinstance(reply, resp.Placed):  # a GET, split as expected
+            assert self.header is not None
+            return _Split(self.header, self.payload, reply.nbytes)
+        if self.last == self.first:  # a GET's whole value, None, or an error reply
+            return reply
+        # MULTI, the queued commands, EXEC: an error anywhere (NOPERM, WRONGTYPE) is the chunk's reply.
+        for answer in replies[self.first:self.last]:
+            if _is_error(answer):
+                return answer
+        executed = replies[self.last]
+        if _is_error(executed):
+            return executed
+        if not isinstance(executed, list) or len(executed) < 2:
+            return _AGAIN
+        for answer in executed:
+            if _is_error(answer):
+                return answer
+        length, header, *pieces = executed[:2 + -(-size // self.piece)]
+        if length == 0:
+            return _AGAIN  # absent, or an empty value: the whole fetch tells which
+        if (not isinstance(header, bytearray) or length != len(header) + size or len(header) < _MIN_HEADER
+                or not all(isinstance(piece, resp.Placed) for piece in pieces)):
+            return _AGAIN
+        return _Split(header, self.payload, length)

@@ -359,6 +359,11 @@ class RedisStore:
         return _Guard(self, what)
 
     @property
+    def popper(self) -> Any:
+        """The client whose replies may wait up to ``pop_timeout_s`` on the server (blocking pops)."""
+        return self._client("pop")
+
+    @property
     def _popper(self) -> Any:
         return self._client("pop")
 
@@ -411,6 +416,23 @@ class RedisStore:
             return None
         try:
             replies = resp.call(sock, *commands)
+        except BaseException:
+            self._checkin(pool, connection, sock, failed=True)
+            raise
+        self._checkin(pool, connection, sock, failed=False)
+        return replies
+
+    def pipeline(self, client: Any, commands: Sequence[Sequence[resp.Argument]],
+                 places: Sequence[resp.Place | None], costs: Sequence[int],
+                 window_bytes: int) -> list[Any] | None:
+        """:func:`resp.pipeline` on a kept connection of ``client`` (bulk replies received where ``places``
+        say, about ``window_bytes`` requested ahead); ``None`` for a stand-in client, as :meth:`call`."""
+        pool, connection, sock = self._checkout(client)
+        if sock is None:
+            pool.release(connection)
+            return None
+        try:
+            replies = resp.pipeline(sock, commands, places, costs, window_bytes)
         except BaseException:
             self._checkin(pool, connection, sock, failed=True)
             raise

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvredis.errors import KVRedisError
@@ -106,6 +106,20 @@ def pack_getdel(key: str) -> bytes:
     return b"*2\r\n$6\r\nGETDEL\r\n$%d\r\n%s\r\n" % (len(raw), raw)
 
 
+Place = Callable[[int], "Sequence[memoryview] | None"]
+"""Where a bulk reply of the given length goes: buffers whose lengths add up to it, filled in order (the
+reply is then returned as :class:`Placed`), or ``None`` for a fresh ``bytearray`` as usual."""
+
+
+class Placed:
+    """A bulk reply that was received into the buffers its :data:`Place` gave."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
 class RespError(KVRedisError):
     """Redis answered a command with an error reply (``-ERR ...``)."""
 
@@ -169,15 +183,28 @@ class BulkReader:
             self._read_exact(scratch[:step])
             count -= step
 
-    def read_reply(self, depth: int = 0) -> Any:
+    def read_reply(self, depth: int = 0, place: Place | None = None) -> Any:
         """One whole reply: ``bytearray`` (bulk), ``str`` (status), ``int``, ``list``, ``None`` (null), or a
-        :class:`RespError` (returned, not raised: the reply was read whole and the connection is in step)."""
+        :class:`RespError` (returned, not raised: the reply was read whole and the connection is in step).
+
+        With ``place``, each bulk string of the reply (those inside an array too, in order) is first offered
+        to it: where it gives buffers, the bytes go straight there and the bulk reads as :class:`Placed`."""
         line = self._line()
         kind = line[:1]
         if kind == b"$":
             length = int(line[1:])
             if length < 0:
                 return None
+            parts = None if place is None else place(length)
+            if parts is not None:
+                if sum(part.nbytes for part in parts) != length:
+                    raise ValueError(f"a placement of {sum(part.nbytes for part in parts)} bytes for a "
+                                     f"{length}-byte reply")
+                for part in parts:
+                    self._read_exact(part)
+                if self._line() != b"":
+                    raise ProtocolError("bulk reply not terminated by CRLF")
+                return Placed(length)
             # The value and its CRLF in one read: the CRLF alone would often cost another recv.
             value = bytearray(length + 2)
             self._read_exact(memoryview(value))
@@ -191,7 +218,7 @@ class BulkReader:
                 return None
             if depth >= _MAX_DEPTH:
                 raise ProtocolError("reply nested deeper than expected")
-            return [self.read_reply(depth + 1) for _ in range(count)]
+            return [self.read_reply(depth + 1, place) for _ in range(count)]
         if kind == b"+":
             return line[1:].decode(errors="replace")
         if kind == b":":
@@ -277,6 +304,29 @@ def call(sock: socket.socket, *commands: Sequence[Argument]) -> list[Any]:
     send(sock, encode(commands))
     reader = BulkReader(sock, 4096)  # short replies; a long value goes straight to its own buffer
     return [reader.read_reply() for _ in commands]
+
+
+def pipeline(sock: socket.socket, commands: Sequence[Sequence[Argument]], places: Sequence[Place | None],
+             costs: Sequence[int], window_bytes: int) -> list[Any]:
+    """Send ``commands`` and read their replies (see :meth:`BulkReader.read_reply`; reply ``i`` is placed by
+    ``places[i]``), keeping about ``window_bytes`` of replies requested ahead, by their expected sizes
+    ``costs`` (at least one command is always in flight). Every command sent is read back, so the
+    connection stays in step."""
+    reader = BulkReader(sock)
+    replies: list[Any] = []
+    total = len(commands)
+    sent = in_flight = 0
+    while len(replies) < total:
+        if sent < total and (in_flight < window_bytes or sent == len(replies)):
+            first = sent
+            while sent < total and (in_flight < window_bytes or sent == first):
+                in_flight += costs[sent]
+                sent += 1
+            send(sock, encode(commands[first:sent]))
+        index = len(replies)
+        replies.append(reader.read_reply(place=places[index]))
+        in_flight -= costs[index]
+    return replies
 
 
 def first_error(replies: Sequence[Any]) -> RespError | None:

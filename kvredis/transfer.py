@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,10 @@ logger = logging.getLogger("kvredis.transfer")
 
 RECORD_KIND = "transfer"
 _MAX_RECORD_BYTES = 1 << 20  # 16 bytes a chunk: 65,536 chunks, far past any context length
+# A save of at most this many bytes of pages does not ask Redis first which chunks it holds: it writes every
+# chunk with write-if-absent (SET NX drops what is there already, and holds it all the same), saving a round
+# trip, which costs about what sending 100-250 KB does on loopback and more across a network.
+_PROBE_ABOVE_BYTES = 256 << 10
 
 
 @dataclass
@@ -107,27 +112,34 @@ class Transfers:
         if pages.dim() < 2 or pages.shape[1] != expected:
             raise KVRedisError(f"a {plan.num_tokens}-token prompt has {expected} pages, got "
                                f"{tuple(pages.shape)}")
-        present = self.chunks.present(plan.digests, holder=transfer_id)
-        missing = [index for index, there in enumerate(present) if not there]
+        if pages.numel() * pages.element_size() <= _PROBE_ABOVE_BYTES:
+            missing = list(range(plan.num_chunks))
+        else:
+            present = self.chunks.present(plan.digests, holder=transfer_id)
+            missing = [index for index, there in enumerate(present) if not there]
         chunks = [(index, pages[:, index * per_chunk:(index + 1) * per_chunk]) for index in missing]
+        record = None
+        if transfer_id is not None:
+            record = (self.record_key(transfer_id), self._record(plan, transfer_id))
         try:
-            written = self.chunks.write(plan, chunks, holder=transfer_id)
-            if transfer_id is not None:
-                self._push_record(plan, transfer_id)
+            # The record goes last, in the same round trip on one server: Redis runs the commands in order.
+            written = self.chunks.write(plan, chunks, holder=transfer_id, record=record)
         except BaseException:
             if transfer_id is not None:
                 self._release_quietly(plan.digests, transfer_id)
+                # A record pushed after a chunk's write failed names a chunk that is not there: not left to
+                # be taken (a decode that took it meanwhile finds that chunk missing: a miss, never bytes).
+                self.chunks.delete_keys([self.record_key(transfer_id)])
             raise
         count = sum(1 for nbytes in written if nbytes)
-        return Saved(count, len(present) - count, sum(written))
+        return Saved(count, plan.num_chunks - count, sum(written))
 
-    def _push_record(self, plan: ChunkPlan, transfer_id: str) -> None:
-        digests = torch.frombuffer(bytearray(b"".join(bytes.fromhex(d) for d in plan.digests)),
-                                   dtype=torch.uint8)
+    def _record(self, plan: ChunkPlan, transfer_id: str) -> bytes:
+        """The record of transfer ``transfer_id``: the digests of the chunks it holds."""
+        digests = memoryview(bytes.fromhex("".join(plan.digests)))  # a uint8 tensor's bytes, no tensor made
         meta = {"kind": RECORD_KIND, "space": self.prefix, "id": transfer_id, "tokens": plan.num_tokens,
                 "chunk_tokens": self.chunk_tokens}
-        record = codec.encode([digests], meta).to_bytes()
-        self.store.push_record(self.record_key(transfer_id), record, self.ttl_ms)
+        return codec.encode([digests], meta).to_bytes()
 
     # -- the consumer --------------------------------------------------------------------------------
 
@@ -137,6 +149,31 @@ class Transfers:
         the transfer's record when it has an id; then the transfer's holds are released (with no id, the
         chunks up to the last one read are deleted where no transfer holds them)."""
         indexes = plan.covering(start, stop)
+        # Without a transfer the prompt's stored chunks are taken as an entry was, whole: those before the
+        # ones read (the decode's prefix cache held them) go too.
+        release = plan.digests if transfer_id is not None else plan.digests[:indexes.stop]
+        queue = None if transfer_id is None else self.record_key(transfer_id)
+        try:
+            combined = self.chunks.take(plan, list(indexes), page_format, queue=queue,
+                                        wait_s=self.pop_timeout_s, release=release,
+                                        holder=transfer_id or _NOBODY)
+        except BaseException:
+            self._release_quietly(release, transfer_id or _NOBODY)  # the pipeline may have stopped before it
+            raise
+        if combined is None:  # a cluster or a stand-in client: one step after the other
+            return self._take_stepwise(plan, indexes, page_format, transfer_id)
+        record, reads = combined
+        # The record this prompt's save pushed, byte for byte, needs no decoding; anything else is decoded to
+        # tell why it does not fit.
+        if transfer_id is not None and record != self._record(plan, transfer_id):
+            cause, _ = self._checked_record(plan, transfer_id, record)
+            if cause != "hit":
+                return Taken(indexes.start if indexes else 0, cause=cause)
+        return _leading(indexes, reads)
+
+    def _take_stepwise(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
+                       transfer_id: str | None) -> Taken:
+        """:meth:`take` a round trip at a time: the record, then (if it fits) the chunks, then the release."""
         held: tuple[str, ...] = ()
         if transfer_id is not None:
             cause, held = self._take_record(plan, transfer_id)
@@ -152,11 +189,18 @@ class Transfers:
 
     def _take_record(self, plan: ChunkPlan, transfer_id: str) -> tuple[str, tuple[str, ...]]:
         """Why the transfer's record does not fit ``plan`` (or ``"hit"``), and the chunks it holds."""
-        queue = self.record_key(transfer_id)
+        record: Any
         try:
-            record = self.store.pop_record(queue, self.pop_timeout_s)
-        except WrongTypeError:
-            self.chunks.delete_keys([queue])
+            record = self.store.pop_record(self.record_key(transfer_id), self.pop_timeout_s)
+        except WrongTypeError as exc:
+            record = exc
+        return self._checked_record(plan, transfer_id, record)
+
+    def _checked_record(self, plan: ChunkPlan, transfer_id: str, record: Any) -> tuple[str, tuple[str, ...]]:
+        """:meth:`_take_record` of a record taken already (``None``: none came; an error: the list's key holds
+        another type, and is deleted)."""
+        if isinstance(record, Exception):
+            self.chunks.delete_keys([self.record_key(transfer_id)])
             return "foreign", ()
         if record is None:
             return "late", ()
@@ -172,15 +216,7 @@ class Transfers:
         return "hit", held
 
     def _read_leading(self, plan: ChunkPlan, indexes: range, page_format: PageFormat) -> Taken:
-        taken = Taken(indexes.start if indexes else 0)
-        reads: list[ChunkRead] = self.chunks.read(plan, list(indexes), page_format)
-        for read in reads:
-            if read.pages is None:
-                taken.cause = read.cause
-                break
-            taken.chunks.append(read.pages)
-            taken.nbytes += read.nbytes
-        return taken
+        return _leading(indexes, self.chunks.read(plan, list(indexes), page_format))
 
     # -- nobody will take it ----------------------------------------------------------------------------
 
@@ -193,6 +229,18 @@ class Transfers:
             self.chunks.release(list(digests), holder)
         except KVRedisError as exc:
             logger.warning("could not release %d chunks (they expire with their TTL): %s", len(digests), exc)
+
+
+def _leading(indexes: range, reads: list[ChunkRead]) -> Taken:
+    """The chunks read, up to the first that could not be."""
+    taken = Taken(indexes.start if indexes else 0)
+    for read in reads:
+        if read.pages is None:
+            taken.cause = read.cause
+            break
+        taken.chunks.append(read.pages)
+        taken.nbytes += read.nbytes
+    return taken
 
 
 _NOBODY = "0" * 16

@@ -3,10 +3,11 @@
 entry (the previous path, still the V0 layer's), in the same run, on the same Redis.
 
 For each size: ``Transfers.save`` then ``Transfers.take`` of every position (announced, so the take waits for
-the record and releases the chunks), and ``RedisLookupBuffer.insert`` then ``take`` of the same pages; the
-median round trip of ``--repeat`` and the ratio chunks / entry. Pages have a Llama-3-8B shape (32 layers, 8
-KV heads of 128, bf16: 128 KiB a token, 2 MiB a 16-token block): 64 KiB is one token's half in 16 layers,
-128 MiB is 1,024 tokens.
+the record and releases the chunks), and ``RedisLookupBuffer.insert`` then ``take`` of the same pages, one
+after the other in each repeat; the median round trip of ``--repeat``, its write and read halves, and the
+ratio chunks / entry. The first line says when it ran and the machine's load average (other work shares the
+test VM). Pages have a Llama-3-8B shape (32 layers, 8 KV heads of 128, bf16: 128 KiB a token, 2 MiB a
+16-token block): 64 KiB is one token's half in 16 layers, 128 MiB is 1,024 tokens.
 
     python scripts/bench_chunks.py                      # a redis-server of its own on a free port
     python scripts/bench_chunks.py --url redis://127.0.0.1:6379/0 --chunk-tokens 64
@@ -15,6 +16,8 @@ KV heads of 128, bf16: 128 KiB a token, 2 MiB a 16-token block): 64 KiB is one t
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import statistics
 import sys
 import time
@@ -58,9 +61,13 @@ def measure(url: str, args: argparse.Namespace) -> int:
     config = KVRedisConfig.from_env({}, {"url": url, "namespace": "bench-chunks", "pop_timeout_s": 30})
     buffer = RedisLookupBuffer(config)
     try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, load average "
+              f"{load}, {os.cpu_count()} CPUs")
         print(f"whole-prompt round trip (write, then read), median of {args.repeat}; chunks of "
               f"{args.chunk_tokens} tokens")
-        print(f"  {'size':>8} {'entry ms':>9} {'chunks ms':>10} {'chunks/entry':>13}")
+        print(f"  {'size':>8} {'entry ms':>9} {'(w + r)':>17} {'chunks ms':>10} {'(w + r)':>17} "
+              f"{'chunks/entry':>13}")
         for name, (tokens, page_format) in sizes().items():
             block = page_format.page_shape[1]
             chunk_tokens = max(args.chunk_tokens // block, 1) * block
@@ -69,27 +76,37 @@ def measure(url: str, args: argparse.Namespace) -> int:
                                   max_chunk_bytes=1 << 31)
             prompt = list(range(tokens))
             pages = torch.randn(page_format.shape(-(-tokens // block))).to(page_format.dtype)
-            entry, chunked = [], []
+            entry: list[tuple[float, float]] = []
+            chunked: list[tuple[float, float]] = []
             for _ in range(args.repeat):
                 started = time.perf_counter()
                 buffer.insert(torch.tensor(prompt), None, pages, None, None)
+                written = time.perf_counter()
                 got, cause = buffer.take(torch.tensor(prompt), None)
-                entry.append(time.perf_counter() - started)
+                entry.append((written - started, time.perf_counter() - written))
                 assert got is not None and torch.equal(got[2], pages), cause
                 started = time.perf_counter()
                 plan = transfers.plan(prompt)
                 transfer = new_entry_id()
                 transfers.save(plan, pages, transfer_id=transfer)
+                written = time.perf_counter()
                 taken = transfers.take(plan, 0, tokens, page_format, transfer_id=transfer)
-                chunked.append(time.perf_counter() - started)
+                chunked.append((written - started, time.perf_counter() - written))
                 assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages)
-            e, c = statistics.median(entry), statistics.median(chunked)
-            print(f"  {name:>8} {1000 * e:>9.2f} {1000 * c:>10.2f} {c / e:>13.2f}")
+            e, c = statistics.median(w + r for w, r in entry), statistics.median(w + r for w, r in chunked)
+            print(f"  {name:>8} {1000 * e:>9.2f} {_halves(entry):>17} {1000 * c:>10.2f} "
+                  f"{_halves(chunked):>17} {c / e:>13.2f}")
         left = list(buffer.store.scan("bench-chunks:*"))
         assert not left, f"keys left: {left[:5]}"
     finally:
         buffer.close()
     return 0
+
+
+def _halves(times: list[tuple[float, float]]) -> str:
+    """The median write and the median read, in ms."""
+    write, read = (statistics.median(half) for half in zip(*times, strict=True))
+    return f"({1000 * write:.2f} + {1000 * read:.2f})"
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import namespace_keys
 
-from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError, codec
+from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError, codec, memory
 from kvredis import buffer as buffer_module
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
@@ -460,11 +460,11 @@ def _advised_huge(tensor: torch.Tensor) -> bool:
     return False
 
 
-@pytest.mark.skipif(buffer_module._MADV_HUGEPAGE is None, reason="madvise(MADV_HUGEPAGE) is Linux's")
+@pytest.mark.skipif(memory._MADV_HUGEPAGE is None, reason="madvise(MADV_HUGEPAGE) is Linux's")
 @pytest.mark.parametrize(("nbytes", "huge"), [(4 << 20, False), (32 << 20, True), (128 << 20, True),
                                               ((128 << 20) + 4096, False)])
 def test_large_outputs_are_advised_to_use_huge_pages(nbytes, huge):
-    out = buffer_module._fresh_output(nbytes)
+    out = memory.fresh_output(nbytes)
     assert out.dtype == torch.uint8 and out.numel() == nbytes
     assert _advised_huge(out) is huge
     out[::4096] = 7  # writable everywhere, and still there once nothing but the tensor holds the mapping
@@ -475,8 +475,8 @@ def test_large_outputs_are_advised_to_use_huge_pages(nbytes, huge):
 
 
 def test_an_output_without_huge_pages_is_still_an_output(monkeypatch):
-    monkeypatch.setattr(buffer_module, "_MADV_HUGEPAGE", -1)  # madvise refuses it: plain pages
-    out = buffer_module._fresh_output(64 << 20)
+    monkeypatch.setattr(memory, "_MADV_HUGEPAGE", -1)  # madvise refuses it: plain pages
+    out = memory.fresh_output(64 << 20)
     assert out.numel() == 64 << 20
     out.fill_(3)
     assert int(out[-1]) == 3

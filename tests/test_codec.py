@@ -876,3 +876,32 @@ def test_checksums_computed_beforehand_give_the_same_blob() -> None:
     assert len(crcs) == len(frames.views)
     with pytest.raises(ValueError, match="checksums for"):
         frames.encode(meta, crcs=crcs[:-1])
+
+
+def test_a_slice_of_pages_goes_out_as_its_runs_without_a_copy() -> None:
+    # A chunk's pages: a slice along dimension 1 of [layers, pages, ...]; each layer's run is contiguous.
+    pages = torch.randn(4, 6, 2, 16, 256).to(torch.bfloat16)
+    chunk = pages[:, 2:4]
+    parts = codec.tensor_parts(chunk)
+    assert len(parts) == 4 and all(part.nbytes == 2 * 2 * 16 * 256 * 2 for part in parts)
+    assert b"".join(parts) == chunk.contiguous().view(torch.uint8).numpy().tobytes()
+    pages[1, 2, 0, 0, 0] = 7.0  # the parts are the pages' own memory
+    assert bytes(parts[1][:2]) == pages[1, 2, 0, 0, 0:1].view(torch.uint8).numpy().tobytes()
+    frames = codec.Frames.of([chunk])
+    whole = codec.Frames.of([chunk.contiguous()])
+    assert frames.encode({"k": 1}).to_bytes() == whole.encode({"k": 1}).to_bytes()
+    tensors, _ = codec.decode(frames.encode().to_bytes(), max_payload_bytes=LIMIT)
+    assert torch.equal(tensors[0], chunk)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, 5, 6, 4096)[:, ::2],  # two strided dimensions: a run per (i, j)
+    lambda: torch.randn(4096, 8).t(),  # runs of one element: copied once instead
+    lambda: torch.randn(1, 8192).expand(3, 8192),  # a stride of 0: the same run three times
+    lambda: torch.randn(3, 5, 8)[:, 1:3],  # runs shorter than the threshold: copied
+])
+def test_any_strided_tensor_gives_its_bytes_in_row_major_order(make) -> None:
+    tensor = make()
+    assert b"".join(codec.tensor_parts(tensor)) == tensor.contiguous().numpy().tobytes()
+    tensors, _ = codec.decode(codec.encode([tensor]).to_bytes(), max_payload_bytes=LIMIT)
+    assert torch.equal(tensors[0], tensor)

@@ -169,3 +169,45 @@ def test_call_sends_a_transaction_in_one_write(real_socket) -> None:
     assert replies == ["OK", "QUEUED", "QUEUED", [1, 1]]
     assert client.lpop(queue) == b"abcd"
 
+
+
+def test_a_placed_bulk_reply_goes_into_the_buffers_given_inside_arrays_too() -> None:
+    a, b = socket.socketpair()
+    b.sendall(b"$10\r\n0123456789\r\n*3\r\n:7\r\n$4\r\nabcd\r\n$2\r\nxy\r\n$3\r\nfoo\r\n")
+    b.close()
+    reader = resp.BulkReader(a, 16)  # lines and values cross refills
+    head, tail = bytearray(4), bytearray(6)
+    placed = reader.read_reply(place=lambda n: [memoryview(head), memoryview(tail)])
+    assert isinstance(placed, resp.Placed) and placed.nbytes == 10
+    assert (head, tail) == (bytearray(b"0123"), bytearray(b"456789"))
+    slots: list[bytearray] = []
+
+    def only_fours(length: int) -> list[memoryview] | None:  # the 4-byte bulk placed, the 2-byte one not
+        if length != 4:
+            return None
+        slots.append(bytearray(length))
+        return [memoryview(slots[-1])]
+
+    executed = reader.read_reply(place=only_fours)
+    assert executed[0] == 7 and isinstance(executed[1], resp.Placed) and executed[2] == bytearray(b"xy")
+    assert slots == [bytearray(b"abcd")]
+    with pytest.raises(ValueError, match="placement"):  # buffers that do not add up to the reply
+        reader.read_reply(place=lambda n: [memoryview(bytearray(n + 1))])
+    a.close()
+
+
+@pytest.mark.parametrize("window", [1, 3, 1 << 20])
+def test_a_pipeline_keeps_its_window_and_reads_every_reply_in_order(real_socket, window: int) -> None:
+    sock, client = real_socket
+    prefix = f"t-resp-{uuid.uuid4().hex[:8]}"
+    values = [os.urandom(100 + i) for i in range(12)]
+    for i, value in enumerate(values):
+        client.set(f"{prefix}:{i}", value, px=60_000)
+    out = [bytearray(len(value)) for value in values]
+    commands = [("GET", f"{prefix}:{i}") for i in range(12)] + [("GET", f"{prefix}:none")]
+    places = [(lambda n, slot=slot: [memoryview(slot)]) for slot in out] + [None]
+    replies = resp.pipeline(sock, commands, places, [1] * 13, window)
+    assert all(isinstance(reply, resp.Placed) for reply in replies[:12]) and replies[12] is None
+    assert [bytes(slot) for slot in out] == values
+    client.delete(*[f"{prefix}:{i}" for i in range(12)])
+    assert resp.call(sock, ("PING",)) == ["PONG"]

@@ -10,8 +10,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from kvredis import transfer as transfer_module
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.chunk_store import PageFormat
+from kvredis.client import RedisStore
+from kvredis.errors import KVRedisConnectionError
 from kvredis.keys import new_entry_id
 from kvredis.transfer import Transfers
 
@@ -20,8 +23,14 @@ CHUNK = 32
 FORMAT = PageFormat(torch.float32, layers=2, page_shape=(2, BLOCK, 4))
 
 
-@pytest.fixture
-def make_transfers(make_buffer: Callable[..., RedisLookupBuffer]) -> Callable[..., Transfers]:
+@pytest.fixture(params=["writes all", "asks first"])
+def make_transfers(make_buffer: Callable[..., RedisLookupBuffer], request: pytest.FixtureRequest,
+                   monkeypatch: pytest.MonkeyPatch) -> Callable[..., Transfers]:
+    """Transfers whose saves write every chunk with write-if-absent (small saves, as these tests' all are)
+    or ask Redis first which chunks it holds (saves of more than 256 KiB of pages)."""
+    if request.param == "asks first":
+        monkeypatch.setattr(transfer_module, "_PROBE_ABOVE_BYTES", -1)
+
     def make(pop_timeout_s: float = 2.0, prefix: str | None = None) -> Transfers:
         buffer = make_buffer(pop_timeout_s=pop_timeout_s)
         return Transfers(buffer.store, prefix or buffer.keyspace.prefix, chunk_tokens=CHUNK, block_size=BLOCK,
@@ -202,3 +211,53 @@ def test_a_chunk_length_that_is_not_whole_blocks_is_refused(make_buffer) -> None
     with pytest.raises(ValueError, match="multiple of the block size"):
         Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=40, block_size=BLOCK, ttl_ms=1000,
                   pop_timeout_s=1, max_chunk_bytes=1 << 20)
+
+
+def test_a_save_that_fails_after_its_record_went_out_leaves_nothing(make_transfers,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    transfers = make_transfers(pop_timeout_s=0.2)
+    write = transfers.chunks.write
+
+    def lost_reply(*args, **kwargs):  # everything reached Redis, the answer did not
+        write(*args, **kwargs)
+        raise KVRedisConnectionError("connection lost")
+
+    monkeypatch.setattr(transfers.chunks, "write", lost_reply)
+    plan = transfers.plan(list(range(70)))
+    transfer = new_entry_id()
+    with pytest.raises(KVRedisConnectionError):
+        transfers.save(plan, prompt_pages(70), transfer_id=transfer)
+    assert keys_left(transfers) == []  # no record to be taken, no chunk held
+    assert transfers.take(plan, 0, 69, FORMAT, transfer_id=transfer).cause == "absent"
+
+
+@pytest.mark.parametrize("backend", ["real"])
+def test_a_small_save_and_a_take_are_one_round_trip_each(make_transfers,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    transfers = make_transfers()
+    calls: list[str] = []
+    for name in ("call", "pipeline"):
+        method = getattr(RedisStore, name)
+        monkeypatch.setattr(RedisStore, name, lambda self, *a, _m=method, _n=name, **k: (
+            calls.append(_n), _m(self, *a, **k))[1])
+    plan = transfers.plan(list(range(100)))
+    transfer = new_entry_id()
+    saved = transfers.save(plan, prompt_pages(100), transfer_id=transfer)
+    assert calls == (["call"] if transfer_module._PROBE_ABOVE_BYTES >= 0 else ["call", "call"])
+    assert (saved.written, saved.present) == (4, 0)
+    calls.clear()
+    taken = transfers.take(plan, 0, 99, FORMAT, transfer_id=transfer)
+    assert calls == ["pipeline"]  # the record popped, the chunks read and released
+    assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), prompt_pages(100))
+    assert keys_left(transfers) == []
+
+
+def test_a_record_that_came_late_is_discarded_and_nothing_is_left(make_transfers) -> None:
+    # The decode gave up (its take released what the transfer held so far), then the save landed.
+    transfers = make_transfers(pop_timeout_s=0.2)
+    plan = transfers.plan(list(range(70)))
+    transfer = new_entry_id()
+    assert transfers.take(plan, 0, 69, FORMAT, transfer_id=transfer).cause == "absent"
+    transfers.save(plan, prompt_pages(70), transfer_id=transfer)
+    assert transfers.discard(transfer, wait_s=1.0)
+    assert keys_left(transfers) == []

@@ -380,28 +380,30 @@ def test_a_user_lacking_any_command_of_the_rule_fails_clearly(acl_server, namesp
 
 
 CHUNK_COMMANDS = ("exists", "evalsha", "script|load", "set", "sadd", "srem", "scard", "pexpire", "get", "del",
-                  "rpush", "multi", "exec", "blpop")
+                  "strlen", "getrange", "rpush", "multi", "exec", "blpop")
 """The commands the vLLM connector's chunk store sends, its scripts' included (ACL checks those too);
 README's rule for connector users lists exactly these."""
 
 
 def transfer_round_trip(url: str, namespace: str, admin: Any) -> None:
     """A transfer saved, taken and released; another saved and discarded: nothing left."""
+    # Pieces of 4 KiB: chunks of 16 KiB are read in pieces (STRLEN, GETRANGE), chunks of 1 KiB with one GET.
     config = KVRedisConfig.from_env({}, {"url": url, "namespace": namespace, "pop_timeout_s": 1.0,
-                                         "socket_timeout_s": 2.0})
+                                         "socket_timeout_s": 2.0, "chunk_bytes": 4096})
     store = RedisStore(config)
     try:
         transfers = Transfers(store, f"{namespace}:0123456789abcdef", chunk_tokens=16, block_size=16,
                               ttl_ms=60_000, pop_timeout_s=1.0, max_chunk_bytes=1 << 20)
-        page_format = PageFormat(torch.float32, 2, (2, 16, 4))
         plan = transfers.plan(list(range(40)))
-        pages = torch.randn(2, 3, 2, 16, 4)
-        transfers.save(plan, pages, transfer_id=(first := new_entry_id()))
-        assert transfers.chunks.stored_prefix(plan.digests) == 3
-        taken = transfers.take(plan, 0, 39, page_format, transfer_id=first)
-        assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages)
-        transfers.save(plan, pages, transfer_id=(second := new_entry_id()))
-        assert transfers.discard(second)
+        for page_shape in ((2, 16, 4), (2, 16, 64)):
+            page_format = PageFormat(torch.float32, 2, page_shape)
+            pages = torch.randn(2, 3, *page_shape)
+            transfers.save(plan, pages, transfer_id=(first := new_entry_id()))
+            assert transfers.chunks.stored_prefix(plan.digests) == 3
+            taken = transfers.take(plan, 0, 39, page_format, transfer_id=first)
+            assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages)
+            transfers.save(plan, pages, transfer_id=(second := new_entry_id()))
+            assert transfers.discard(second)
         assert list(admin.scan_iter(match=f"{namespace}:*")) == []
     finally:
         store.close()
