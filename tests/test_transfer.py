@@ -228,7 +228,7 @@ def test_a_save_that_fails_after_its_record_went_out_leaves_nothing(make_transfe
     with pytest.raises(KVRedisConnectionError):
         transfers.save(plan, prompt_pages(70), transfer_id=transfer)
     assert keys_left(transfers) == []  # no record to be taken, no chunk held
-    assert transfers.take(plan, 0, 69, FORMAT, transfer_id=transfer).cause == "absent"
+    assert transfers.take(plan, 0, 69, FORMAT, transfer_id=transfer).cause == "late"
 
 
 @pytest.mark.parametrize("backend", ["real"])
@@ -257,7 +257,7 @@ def test_a_record_that_came_late_is_discarded_and_nothing_is_left(make_transfers
     transfers = make_transfers(pop_timeout_s=0.2)
     plan = transfers.plan(list(range(70)))
     transfer = new_entry_id()
-    assert transfers.take(plan, 0, 69, FORMAT, transfer_id=transfer).cause == "absent"
+    assert transfers.take(plan, 0, 69, FORMAT, transfer_id=transfer).cause == "late"
     transfers.save(plan, prompt_pages(70), transfer_id=transfer)
     assert transfers.discard(transfer, wait_s=1.0)
     assert keys_left(transfers) == []
