@@ -29,7 +29,7 @@ import redis
 import torch
 
 from kvredis import codec
-from kvredis.client import RedisStore, WrongTypeError
+from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import CodecError, EntryTooLargeError, KVRedisError, KVRedisTimeoutError
 from kvredis.keys import (
@@ -44,6 +44,7 @@ from kvredis.keys import (
 )
 from kvredis.memory import fresh_output
 from kvredis.metrics import Metrics
+from kvredis.redis_errors import WrongTypeError
 
 logger = logging.getLogger("kvredis.buffer")
 

@@ -32,9 +32,10 @@ import torch
 
 from kvredis import codec, resp
 from kvredis.chunk_keys import ChunkKeys, ChunkPlan
-from kvredis.client import RedisStore, raise_first_error
+from kvredis.client import RedisStore
 from kvredis.errors import CodecError, KVRedisError
 from kvredis.memory import fresh_output
+from kvredis.redis_errors import raise_first_error
 from kvredis.resp import RespError
 
 logger = logging.getLogger("kvredis.chunks")

@@ -34,9 +34,10 @@ import torch
 from kvredis import codec
 from kvredis.chunk_keys import ChunkPlan
 from kvredis.chunk_store import ChunkRead, ChunkStore, PageFormat
-from kvredis.client import RedisStore, WrongTypeError
+from kvredis.client import RedisStore
 from kvredis.errors import CodecError, KVRedisError
 from kvredis.keys import check_entry_id
+from kvredis.redis_errors import WrongTypeError
 
 logger = logging.getLogger("kvredis.transfer")
 

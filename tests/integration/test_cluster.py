@@ -27,10 +27,11 @@ from test_security import Certs, certs  # noqa: F401 - the fixture, for the TLS 
 
 from kvredis import KVRedisConnectionError, KVRedisError
 from kvredis.buffer import RedisLookupBuffer
-from kvredis.client import RedisStore, translate_errors
+from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
 from kvredis.keys import Prompt
+from kvredis.redis_errors import translate_errors
 
 MISS = [None] * 5
 
