@@ -421,6 +421,9 @@ class ChunkStore:
                 header = codec.read_header(value.header, max_payload_bytes=self.max_chunk_bytes)
                 if header.payload_offset != len(value.header):  # not the layout the split assumed
                     return self._verified(plan, index, value.joined(), page_format)
+                checked = self._verified_split(plan, index, header, value, page_format)
+                if checked is not None:
+                    return checked
                 tensors = codec.decode_payload(header, value.payload, verify=self.checksum)
                 meta, nbytes = header.meta, value.nbytes
             elif isinstance(value, (bytes, bytearray)):
@@ -451,6 +454,44 @@ class ChunkStore:
                            page_format.dtype)
             return ChunkRead(index, None, "mismatch")
         return ChunkRead(index, pages, "hit", nbytes)
+
+    def _verified_split(self, plan: ChunkPlan, index: int, header: codec.Header, value: _Split,
+                        page_format: PageFormat) -> ChunkRead | None:
+        """:meth:`_verified` of a chunk received in place whose header is read: the same checks, in an order
+        that makes one tensor (its pages) and none for its tokens, which are compared as bytes. ``None``
+        when the header does not describe a chunk's two tensors (the general path then says why)."""
+        if len(header.specs) != 2:
+            return None
+        tokens, pages = header.specs[0], header.specs[1]
+        tokens_at, pages_at = header.starts
+        if tokens is None or pages is None or not pages.nbytes:
+            return None
+        meta = header.meta
+        start, stop = plan.span(index)
+        if (meta.get("kind") != CHUNK_KIND or meta.get("space") != self.prefix or meta.get("start") != start
+                or meta.get("digest") != plan.digests[index] or meta.get("parent") != plan.parent(index)
+                or tokens.dtype != torch.int64 or tokens.shape != (stop - start,)):
+            return ChunkRead(index, None, "foreign")
+        payload = value.payload
+        raw_tokens = payload[tokens_at:tokens_at + tokens.nbytes]
+        raw_pages = payload[pages_at:pages_at + pages.nbytes]
+        if self.checksum:
+            checksum = header.checksum
+            if ((tokens.crc is not None and checksum(raw_tokens) != tokens.crc)
+                    or (pages.crc is not None and checksum(raw_pages) != pages.crc)):
+                logger.debug("chunk %d of a prompt: checksum mismatch", index)
+                return ChunkRead(index, None, "corrupt")
+        if raw_tokens != plan.chunk_tokens_of(index).cast("B"):
+            return ChunkRead(index, None, "foreign")
+        blocks = -(-(stop - start) // self.block_size)
+        expected = page_format.shape(blocks * page_format.pages_per_block)
+        if pages.dtype != page_format.dtype or pages.shape != expected:
+            logger.warning("chunk %d holds %s %s; this engine needs %s %s", index, pages.shape, pages.dtype,
+                           expected, page_format.dtype)
+            return ChunkRead(index, None, "mismatch")
+        tensor = torch.frombuffer(payload, dtype=pages.dtype, count=pages.nbytes // pages.dtype.itemsize,
+                                  offset=pages_at)
+        return ChunkRead(index, tensor.view(expected), "hit", value.nbytes)
 
     # -- releasing --------------------------------------------------------------------------------
 

@@ -46,12 +46,17 @@ def encode(commands: Sequence[Sequence[Argument]]) -> list[Buffer]:
     bytes or more, which stay the caller's memory (a memoryview of it)."""
     out: list[Buffer] = []
     pending: list[Buffer] = []  # small parts, joined once
+    named = _NAMED.get
     for args in commands:
         pending.append(b"*%d\r\n" % len(args))
         for arg in args:
             value: Any = arg
             kind = type(value)
             if kind is str:
+                framed = named(value)
+                if framed is not None:  # a command's name or option, framed once
+                    pending.append(framed)
+                    continue
                 value = value.encode()
             elif kind is int:
                 value = b"%d" % value
@@ -77,6 +82,13 @@ def encode(commands: Sequence[Sequence[Argument]]) -> list[Buffer]:
             pending.append(_CRLF)
     out.append(b"".join(pending))
     return out
+
+
+_NAMED = {name: b"$%d\r\n%s\r\n" % (len(name), name.encode()) for name in (
+    "MULTI", "EXEC", "SET", "NX", "PX", "GET", "GETEX", "GETDEL", "GETRANGE", "STRLEN", "SADD", "PEXPIRE",
+    "RPUSH", "BLPOP", "EVALSHA", "EXISTS", "DEL", "UNLINK", "LLEN")}
+"""The RESP bulk strings of the command names and options kvredis sends most (small entries feel each
+argument's encoding)."""
 
 
 def send(sock: socket.socket, buffers: Sequence[Buffer]) -> None:

@@ -152,6 +152,22 @@ def test_a_damaged_chunk_is_a_miss_and_is_deleted(chunk_store: ChunkStore, damag
     assert chunk_store.present(plan.digests) == [True, False]
 
 
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_flipped_token_byte_is_a_miss(chunk_store: ChunkStore, checksum: bool) -> None:
+    """The tokens are checked as bytes, not as a tensor: their checksum says corrupt, and without checksums
+    their comparison with the prompt's says foreign."""
+    chunk_store.checksum = checksum
+    plan = ChunkPlan.of(list(range(64)), CHUNK)
+    write_all(chunk_store, plan)
+    key = chunk_store.keys.chunk(plan.digests[1])
+    blob = bytearray(chunk_store.store.redis.get(key))
+    blob[codec.read_header(blob, max_payload_bytes=1 << 30).payload_offset + 9] ^= 1
+    _replace(chunk_store, key, bytes(blob))
+    reads = chunk_store.read(plan, [0, 1], FORMAT)
+    assert [r.cause for r in reads] == ["hit", "corrupt" if checksum else "foreign"]
+    assert chunk_store.present(plan.digests) == [True, False]
+
+
 def test_a_value_of_another_type_at_a_chunk_key_is_foreign(chunk_store: ChunkStore) -> None:
     plan = ChunkPlan.of(list(range(32)), CHUNK)
     key = chunk_store.keys.chunk(plan.digests[0])

@@ -54,6 +54,15 @@ def test_a_list_argument_is_one_value_made_of_its_parts() -> None:
     assert any(b is tail for b in buffers)
 
 
+def test_names_framed_once_frame_as_any_string() -> None:
+    """The command names kept framed are the same bytes as any other string's framing (here compared with
+    a name that is not among them, and with the names' own framing done the long way)."""
+    for name in resp._NAMED:
+        assert resp.frame(name, "k") == [b"*2\r\n$%d\r\n%s\r\n$1\r\nk\r\n" % (len(name), name.encode())]
+    assert b"".join(resp.frame("MULTI")) == b"*1\r\n$5\r\nMULTI\r\n"
+    assert b"".join(resp.frame("EXEC")) == b"*1\r\n$4\r\nEXEC\r\n"
+
+
 def test_frame_refuses_a_bool() -> None:
     with pytest.raises(TypeError):
         resp.frame("SET", "k", True)  # type: ignore[arg-type]

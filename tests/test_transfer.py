@@ -10,11 +10,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from kvredis import codec
 from kvredis import transfer as transfer_module
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.chunk_store import PageFormat
 from kvredis.client import RedisStore
-from kvredis.errors import KVRedisConnectionError
+from kvredis.errors import CodecError, KVRedisConnectionError
 from kvredis.keys import new_entry_id
 from kvredis.transfer import Transfers
 
@@ -144,6 +145,61 @@ def test_a_corrupt_record_is_dropped(make_transfers) -> None:
     transfers.store.push_record(transfers.record_key(transfer), b"KVR\x02garbage", 60_000)
     taken = transfers.take(transfers.plan(list(range(40))), 0, 39, FORMAT, transfer_id=transfer)
     assert taken.cause == "corrupt"
+
+
+@pytest.mark.parametrize("damage", ["a flipped bit", "cut short", "another space", "another id"])
+def test_a_damaged_record_is_corrupt(make_transfers, damage: str) -> None:
+    """A record that fails its checks names nothing: it releases nothing (a chunk's holds are dropped only
+    by the record naming them, so a damaged one cannot release another prompt's chunk)."""
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(40)))
+    transfer = new_entry_id()
+    record = transfer_module.encode_record(transfers.prefix, transfer, plan.digests, 40, CHUNK)
+    if damage == "a flipped bit":
+        record = record[:-10] + bytes([record[-10] ^ 1]) + record[-9:]  # in a digest
+    elif damage == "cut short":
+        record = record[:-9] + record[-8:]
+    elif damage == "another space":
+        record = transfer_module.encode_record(transfers.prefix + "x", transfer, plan.digests, 40, CHUNK)
+    else:
+        record = transfer_module.encode_record(transfers.prefix, new_entry_id(), plan.digests, 40, CHUNK)
+    with pytest.raises(CodecError):
+        transfer_module._record_digests(record, transfer, transfers.prefix)
+    transfers.store.push_record(transfers.record_key(transfer), record, 60_000)
+    assert transfers.take(plan, 0, 39, FORMAT, transfer_id=transfer).cause == "corrupt"
+
+
+def test_a_record_names_the_digests_it_was_written_with() -> None:
+    digests = (bytes(range(16)).hex(), bytes(range(16, 32)).hex())
+    record = transfer_module.encode_record("ns:abc", "a" * 16, digests, 70, 64)
+    assert record.startswith(transfer_module.RECORD_MAGIC)
+    assert transfer_module._record_digests(record, "a" * 16, "ns:abc") == digests
+    assert transfer_module._record_digests(bytearray(record), "a" * 16, "ns:abc") == digests
+
+
+def test_a_record_in_the_codec_format_of_before_is_still_read(make_transfers) -> None:
+    """A prefill not yet upgraded pushes its record as a codec blob: the decode takes it (as another record:
+    decoded and checked) and a discard releases what it names."""
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(70)))
+
+    def old_record(transfer: str) -> bytes:
+        meta = {"kind": "transfer", "space": transfers.prefix, "id": transfer, "tokens": 70,
+                "chunk_tokens": CHUNK}
+        return codec.encode([memoryview(bytes.fromhex("".join(plan.digests)))], meta).to_bytes()
+
+    for ending in ("take", "discard"):
+        transfer = new_entry_id()
+        transfers.save(plan, prompt_pages(70), transfer_id=transfer)
+        key = transfers.record_key(transfer)
+        assert transfers.store.pop_record(key, 1.0) is not None
+        transfers.store.push_record(key, old_record(transfer), 60_000)
+        if ending == "take":
+            taken = transfers.take(plan, 0, 69, FORMAT, transfer_id=transfer)
+            assert taken.cause == "hit" and len(taken.chunks) == 3
+        else:
+            assert transfers.discard(transfer)
+        assert keys_left(transfers) == []
 
 
 def test_a_discarded_transfer_leaves_nothing(make_transfers) -> None:
