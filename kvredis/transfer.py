@@ -212,7 +212,7 @@ class Transfers:
         if record is None:
             return "late", ()
         try:
-            held = _record_digests(record, transfer_id, self.prefix)
+            held = record_digests(record, transfer_id, self.prefix)
         except CodecError as exc:
             logger.warning("dropped the unreadable record of transfer %s: %s", transfer_id, exc)
             return "corrupt", ()
@@ -274,7 +274,7 @@ def discard_transfer(store: RedisStore, prefix: str, transfer_id: str, *, wait_s
     if record is None:
         return False
     try:
-        held = _record_digests(record, transfer_id, prefix)
+        held = record_digests(record, transfer_id, prefix)
     except CodecError as exc:
         logger.warning("discarded an unreadable record of transfer %s (its chunks expire with their TTL): %s",
                        transfer_id, exc)
@@ -293,8 +293,9 @@ def encode_record(space: str, transfer_id: str, digests: tuple[str, ...] | list[
     return body + _RECORD_SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def _record_digests(record: bytes | bytearray, transfer_id: str, space: str) -> tuple[str, ...]:
-    """The chunk digests a transfer's record names, once checked as written for key space ``space``."""
+def record_digests(record: bytes | bytearray, transfer_id: str, space: str) -> tuple[str, ...]:
+    """The chunk digests a transfer's record names, once checked as written for key space ``space`` and
+    transfer ``transfer_id``; raises :class:`~kvredis.errors.CodecError` for any other bytes."""
     if record[:len(RECORD_MAGIC)] == RECORD_MAGIC:
         return _raw_record_digests(bytes(record), transfer_id, space)
     # A record as kvredis wrote it before (a codec blob): a prefill not yet upgraded.
@@ -308,7 +309,7 @@ def _record_digests(record: bytes | bytearray, transfer_id: str, space: str) -> 
 
 
 def _raw_record_digests(record: bytes, transfer_id: str, space: str) -> tuple[str, ...]:
-    """:func:`_record_digests` of a record in :data:`RECORD_MAGIC`'s format."""
+    """:func:`record_digests` of a record in :data:`RECORD_MAGIC`'s format."""
     if not _RECORD_HEAD.size + _RECORD_SUM.size <= len(record) <= _MAX_RECORD_BYTES:
         raise CodecError(f"a transfer record of {len(record)} bytes")
     body, (checksum,) = record[:-_RECORD_SUM.size], _RECORD_SUM.unpack_from(record, len(record) - 8)

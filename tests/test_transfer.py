@@ -164,7 +164,7 @@ def test_a_damaged_record_is_corrupt(make_transfers, damage: str) -> None:
     else:
         record = transfer_module.encode_record(transfers.prefix, new_entry_id(), plan.digests, 40, CHUNK)
     with pytest.raises(CodecError):
-        transfer_module._record_digests(record, transfer, transfers.prefix)
+        transfer_module.record_digests(record, transfer, transfers.prefix)
     transfers.store.push_record(transfers.record_key(transfer), record, 60_000)
     assert transfers.take(plan, 0, 39, FORMAT, transfer_id=transfer).cause == "corrupt"
 
@@ -173,8 +173,8 @@ def test_a_record_names_the_digests_it_was_written_with() -> None:
     digests = (bytes(range(16)).hex(), bytes(range(16, 32)).hex())
     record = transfer_module.encode_record("ns:abc", "a" * 16, digests, 70, 64)
     assert record.startswith(transfer_module.RECORD_MAGIC)
-    assert transfer_module._record_digests(record, "a" * 16, "ns:abc") == digests
-    assert transfer_module._record_digests(bytearray(record), "a" * 16, "ns:abc") == digests
+    assert transfer_module.record_digests(record, "a" * 16, "ns:abc") == digests
+    assert transfer_module.record_digests(bytearray(record), "a" * 16, "ns:abc") == digests
 
 
 def test_a_record_in_the_codec_format_of_before_is_still_read(make_transfers) -> None:

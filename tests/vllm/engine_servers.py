@@ -25,10 +25,10 @@ import torch
 from conftest import BLOCK_SIZE
 from redis_servers import RedisServer, free_port, wait_until
 
-from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.stack import engine_cpu_binds
 from kvredis.tinymodel import prompt_text
+from kvredis.transfer import record_digests
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST_TIMEOUT_S = 300.0
@@ -179,15 +179,14 @@ class Disaggregated:
     def transfer_chunks(self, record_key: str) -> list[str]:
         """The chunk keys a transfer's record names (the record is ``<prefix>:t:{<id>}``, a chunk
         ``<prefix>:c:{<digest>}``)."""
-        prefix = record_key.rsplit(":t:", 1)[0]
+        prefix, braced = record_key.rsplit(":t:", 1)
         client = self.redis.client()
         try:
-            tensors, meta = codec.decode(client.lindex(record_key, 0), max_payload_bytes=1 << 20)
+            record = client.lindex(record_key, 0)
         finally:
             client.close()
-        assert "{" + meta["id"] + "}" == record_key.rsplit(":", 1)[1], (record_key, meta)
-        raw = bytes(tensors[0].numpy())
-        return [f"{prefix}:c:{{{raw[i:i + 16].hex()}}}" for i in range(0, len(raw), 16)]
+        digests = record_digests(record, braced.strip("{}"), prefix)  # checked: this space, this id
+        return [f"{prefix}:c:{{{digest}}}" for digest in digests]
 
     def stored_chunks(self, count: int = 1, timeout_s: float = 10.0) -> list[str]:
         """The keys of stored chunks (not their holders' sets), once there are ``count``."""

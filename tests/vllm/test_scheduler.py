@@ -53,6 +53,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.keys import new_entry_id
+from kvredis.transfer import record_digests
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import worker as worker_module
 
@@ -580,9 +581,9 @@ def _corrupt_chunk(url: str, namespace: str) -> None:
     client = redis.Redis.from_url(url)
     try:
         (record,) = client.scan_iter(match=f"{namespace}:*:t:*")
-        tensors, _ = codec.decode(client.lindex(record, 0), max_payload_bytes=1 << 20)
-        first = bytes(tensors[0].numpy()[:16]).hex()
-        key = record.decode().rsplit(":t:", 1)[0] + ":c:{" + first + "}"
+        prefix, braced = record.decode().rsplit(":t:", 1)
+        first = record_digests(client.lindex(record, 0), braced.strip("{}"), prefix)[0]
+        key = prefix + ":c:{" + first + "}"
         chunk = bytearray(client.get(key))
         header = codec.read_header(bytes(chunk), max_payload_bytes=1 << 30)
         chunk[header.payload_offset + header.payload_nbytes - 5] ^= 0x40
