@@ -122,9 +122,7 @@ class ChunkStore:
     def _eval_each(self, client: Any, source: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
         """Run script ``source`` once per ``(keys, args)``, pipelined in one round trip (EVALSHA; a server
         that lacks the script loads it and runs those calls again: NOSCRIPT means they did not run)."""
-        sha = _SHAS.get(source)
-        if sha is None:
-            sha = _SHAS[source] = hashlib.sha1(source.encode()).hexdigest()
+        sha = _sha(source)
         replies: list[Any] = [None] * len(calls)
         pending = list(range(len(calls)))
         for attempt in range(2):
@@ -319,11 +317,10 @@ class ChunkStore:
         return record, self._checked_reads(plan, indexes, keys, values, page_format)
 
     def _fetch(self, client: Any, keys: list[str], refresh_ttl: bool) -> list[Any]:
-        """Each chunk's whole value (or ``None``, or an error reply), in one round trip."""
+        """Each chunk's whole value (or ``None``, or an error reply: its callers raise those but WRONGTYPE),
+        in one round trip."""
         commands = [("GETEX", key, "PX", self.ttl_ms) if refresh_ttl else ("GET", key) for key in keys]
-        values = self._run(client, commands)
-        _raise_unless_wrongtype(values)
-        return values
+        return self._run(client, commands)
 
     def _fetch_framed(self, client: Any, plan: ChunkPlan, indexes: Sequence[int], keys: list[str],
                       page_format: PageFormat, refresh_ttl: bool, before: Sequence[tuple[Any, ...]] = (),

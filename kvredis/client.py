@@ -24,7 +24,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -284,29 +284,24 @@ class RedisStore:
         """:func:`resp.call` on a kept connection of ``client``; ``None`` for a stand-in client (fakeredis),
         whose commands go through redis-py. What :meth:`_socket` does, without a context manager: a small
         entry's round trip feels each layer."""
-        pool, connection, sock = self._checkout(client)
-        if sock is None:
-            pool.release(connection)
-            return None
-        try:
-            replies = resp.call(sock, *commands)
-        except BaseException:
-            self._checkin(pool, connection, sock, failed=True)
-            raise
-        self._checkin(pool, connection, sock, failed=False)
-        return replies
+        return self._on_kept_socket(client, resp.call, *commands)
 
     def pipeline(self, client: Any, commands: Sequence[Sequence[resp.Argument]],
                  places: Sequence[resp.Place | None], costs: Sequence[int],
                  window_bytes: int) -> list[Any] | None:
         """:func:`resp.pipeline` on a kept connection of ``client`` (bulk replies received where ``places``
         say, about ``window_bytes`` requested ahead); ``None`` for a stand-in client, as :meth:`call`."""
+        return self._on_kept_socket(client, resp.pipeline, commands, places, costs, window_bytes)
+
+    def _on_kept_socket(self, client: Any, run: Callable[..., list[Any]], *args: Any) -> list[Any] | None:
+        """``run(sock, *args)`` on a kept connection of ``client``, checked in again as failed if it raised;
+        ``None`` for a stand-in client (its connection is given back unused)."""
         pool, connection, sock = self._checkout(client)
         if sock is None:
             pool.release(connection)
             return None
         try:
-            replies = resp.pipeline(sock, commands, places, costs, window_bytes)
+            replies = run(sock, *args)
         except BaseException:
             self._checkin(pool, connection, sock, failed=True)
             raise
