@@ -20,7 +20,6 @@ multimodal inputs or a tenant's salt give the same tokens another key.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -122,13 +121,13 @@ class RedisLookupBuffer:
             count = -(-size // chunk)
             meta.update(chunk=chunk, pieces=count)
             piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
-        alongside: _Alongside | None = None
+        alongside: codec.ChecksumsAhead | None = None
         if piece_keys and self.config.checksum and size >= _HASH_ALONGSIDE_BYTES:
             # The checksums go into the record, which is written last: they are computed while the pieces
             # go out (the socket gives the GIL up while Redis drains it). The header is tried first, so that
             # what cannot be written is refused before anything is.
             frames.encode(meta, checksum=False)
-            alongside = _Alongside(frames.checksums)
+            alongside = codec.ChecksumsAhead([frames])
             payload = frames.payload()
         else:
             encoded = frames.encode(meta, checksum=self.config.checksum)
@@ -139,11 +138,11 @@ class RedisLookupBuffer:
                     self.store.put_pieces(piece_keys, _pieces(payload, chunk), ttl_ms)
                 except BaseException:
                     if alongside is not None:
-                        alongside.join()  # not left running over the caller's tensors; its result is moot
+                        alongside.close()  # not left running over the caller's tensors; its result is moot
                     raise
                 if alongside is not None:
                     try:
-                        encoded = frames.encode(meta, crcs=alongside.result())
+                        encoded = frames.encode(meta, crcs=alongside.get(0))
                     except BaseException:
                         self._discard(piece_keys, queue)  # no record will name them
                         raise
@@ -413,33 +412,6 @@ def _holds(
         return raw[offset:offset + spec.nbytes].tobytes() == expected.tobytes()
     reference = torch.tensor(expected.tolist(), dtype=_CANONICAL[expected.format])
     return bool(torch.equal(stored, reference))
-
-
-class _Alongside:
-    """``work()`` in a thread of its own, for what can run while the caller waits on a socket."""
-
-    def __init__(self, work: Callable[[], Any]) -> None:
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work,), name="kvredis-checksum", daemon=True)
-        self._thread.start()
-
-    def _run(self, work: Callable[[], Any]) -> None:
-        try:
-            self._result = work()
-        except BaseException as exc:  # handed to result(): the thread never dies silently
-            self._error = exc
-
-    def join(self) -> None:
-        """Wait for the work to end."""
-        self._thread.join()
-
-    def result(self) -> Any:
-        """The work's result, once it ends; its exception, raised here, if it failed."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 def _pieces(frames: Sequence[memoryview], size: int) -> list[bytes | memoryview]:

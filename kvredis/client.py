@@ -24,7 +24,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -285,6 +285,12 @@ class RedisStore:
         whose commands go through redis-py. What :meth:`_socket` does, without a context manager: a small
         entry's round trip feels each layer."""
         return self._on_kept_socket(client, resp.call, *commands)
+
+    def call_in_groups(self, client: Any,
+                       groups: Iterable[Sequence[Sequence[resp.Argument]]]) -> list[Any] | None:
+        """:func:`resp.call_in_groups` on a kept connection of ``client``; ``None`` for a stand-in client (the
+        groups are then not made)."""
+        return self._on_kept_socket(client, resp.call_in_groups, groups)
 
     def pipeline(self, client: Any, commands: Sequence[Sequence[resp.Argument]],
                  places: Sequence[resp.Place | None], costs: Sequence[int],

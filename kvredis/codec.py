@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -351,6 +352,45 @@ class Frames:
         head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(packed), crc) + packed
         head += bytes(_aligned(len(head)) - len(head))
         return Encoded(head, self.payload())
+
+
+class ChecksumsAhead:
+    """The :meth:`Frames.checksums` of several frames, computed in order on a thread of their own, so that a
+    writer sends one blob while the next is hashed (xxhash and socket writes both give the GIL up)."""
+
+    def __init__(self, frames: Sequence[Frames]) -> None:
+        self._frames = list(frames)
+        self._results: list[list[int] | None] = [None] * len(self._frames)
+        self._ready = [threading.Event() for _ in self._frames]
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="kvredis-checksum", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for index, frames in enumerate(self._frames):
+            try:
+                if not self._stopped and self._error is None:
+                    self._results[index] = frames.checksums()
+            except BaseException as exc:  # handed to get(): the thread never dies silently
+                self._error = exc
+            finally:
+                self._ready[index].set()
+
+    def get(self, index: int) -> list[int]:
+        """Frames ``index``'s checksums, once computed; the hashing's exception, raised here, if it failed."""
+        self._ready[index].wait()
+        if self._error is not None:
+            raise self._error
+        result = self._results[index]
+        if result is None:
+            raise RuntimeError("checksums asked for after close()")
+        return result
+
+    def close(self) -> None:
+        """Stop hashing and wait for the thread: it never outlives the call whose tensors it reads."""
+        self._stopped = True
+        self._thread.join()
 
 
 def _fits_reader_limits(meta: dict[str, Any]) -> bool:

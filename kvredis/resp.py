@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvredis.errors import KVRedisError
@@ -316,6 +316,18 @@ def call(sock: socket.socket, *commands: Sequence[Argument]) -> list[Any]:
     send(sock, encode(commands))
     reader = BulkReader(sock, 4096)  # short replies; a long value goes straight to its own buffer
     return [reader.read_reply() for _ in commands]
+
+
+def call_in_groups(sock: socket.socket, groups: Iterable[Sequence[Sequence[Argument]]]) -> list[Any]:
+    """:func:`call` of commands made a group at a time: each group goes out as soon as it is made (making the
+    next overlaps sending this one), then every reply is read. For commands with short replies only (Redis
+    buffers what it answers meanwhile; none is read before the last group went out)."""
+    count = 0
+    for group in groups:
+        send(sock, encode(group))
+        count += len(group)
+    reader = BulkReader(sock, 4096)
+    return [reader.read_reply() for _ in range(count)]
 
 
 def pipeline(sock: socket.socket, commands: Sequence[Sequence[Argument]], places: Sequence[Place | None],

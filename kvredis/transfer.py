@@ -15,6 +15,12 @@ and chunks nobody else holds are deleted. Without a transfer id (``store_all_pro
 leading chunks that are present, and deletes them and those before them that no transfer holds (the prompt
 is taken whole, as an entry was).
 
+A **small transfer** (one chunk of at most 256 KiB of pages) travels inside its record instead: the record,
+padded, then the chunk's blob, pushed in one transaction. Its take is the record's pop alone and it holds
+nothing to release: the commands of an entry of the lookup buffer, not the chunk path's nine. Both sides
+decide so from the prompt and the page format; a take that finds the other kind of record than it expected
+handles it all the same.
+
 A transfer nobody will take (the decode computed the prompt, the request was aborted, the decode never got
 it) is **discarded**: its record is taken (waiting for it, since the prefill may still be writing) and its
 holds released.
@@ -50,12 +56,19 @@ _MAX_RECORD_BYTES = 1 << 20  # 16 bytes a chunk: 65,536 chunks, far past any con
 # that before it (8 bytes, little-endian). Built with one pack and one hash, not a codec blob: a take builds
 # the record its decode expects and compares bytes, and at small sizes the blob's encoding was measurable.
 RECORD_MAGIC = b"KVT\x01"
+INLINE_MAGIC = b"KVT\x02"
+"""A record in :data:`RECORD_MAGIC`'s layout, padded with zeros to a multiple of ``codec.ALIGN``, then the
+transfer's one chunk as a blob (its transfer holds no chunk in Redis)."""
 _RECORD_HEAD = struct.Struct("<4sIIIHH")
 _RECORD_SUM = struct.Struct("<Q")
 # A save of at most this many bytes of pages does not ask Redis first which chunks it holds: it writes every
 # chunk with write-if-absent (SET NX drops what is there already, and holds it all the same), saving a round
 # trip, which costs about what sending 100-250 KB does on loopback and more across a network.
 _PROBE_ABOVE_BYTES = 256 << 10
+# A transfer of one chunk of at most this many bytes of pages goes inside its record (INLINE_MAGIC): at 64 KiB
+# the chunk path's commands and their framing cost 10-20% of a round trip; the record is popped into memory
+# of its own, not received in place, which from about this size on costs more than it saves.
+_INLINE_MAX_BYTES = 256 << 10
 
 
 @dataclass
@@ -85,11 +98,26 @@ class Taken:
         return plan.span(self.first + len(self.chunks) - 1)[1]
 
 
+@dataclass(frozen=True)
+class Record:
+    """A transfer's record as read: the digests of the prompt's chunks it names, and the chunk it carries
+    (a small transfer's; its transfer then holds none in Redis)."""
+
+    digests: tuple[str, ...]
+    inline: memoryview | None = None
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        """The chunks its transfer holds in Redis."""
+        return () if self.inline is not None else self.digests
+
+
 class Transfers:
     """Saves, takes and discards of prompts' KV under one key space (namespace and engine identity)."""
 
     def __init__(self, store: RedisStore, prefix: str, *, chunk_tokens: int, block_size: int, ttl_ms: int,
-                 pop_timeout_s: float, max_chunk_bytes: int, checksum: bool = True) -> None:
+                 pop_timeout_s: float, max_chunk_bytes: int, checksum: bool = True,
+                 inline_max_bytes: int = _INLINE_MAX_BYTES) -> None:
         if chunk_tokens <= 0 or chunk_tokens % block_size:
             raise ValueError(f"chunk_tokens {chunk_tokens} is not a positive multiple of the block size "
                              f"{block_size}")
@@ -99,6 +127,7 @@ class Transfers:
         self.block_size = block_size
         self.ttl_ms = max(1, int(ttl_ms))
         self.pop_timeout_s = pop_timeout_s
+        self.inline_max_bytes = inline_max_bytes  # 0: every transfer's chunks under their own keys
         self.chunks = ChunkStore(store, prefix, ttl_ms=ttl_ms, block_size=block_size,
                                  max_chunk_bytes=max_chunk_bytes, checksum=checksum)
 
@@ -109,6 +138,10 @@ class Transfers:
     def record_key(self, transfer_id: str) -> str:
         """The list holding transfer ``transfer_id``'s record."""
         return record_key(self.prefix, transfer_id)
+
+    def _inline(self, plan: ChunkPlan, transfer_id: str | None, pages_nbytes: int) -> bool:
+        """Whether the transfer travels inside its record: announced, one chunk, small."""
+        return transfer_id is not None and plan.num_chunks == 1 and 0 < pages_nbytes <= self.inline_max_bytes
 
     # -- the producer --------------------------------------------------------------------------------
 
@@ -122,7 +155,11 @@ class Transfers:
         if pages.dim() < 2 or pages.shape[1] != expected:
             raise KVRedisError(f"a {plan.num_tokens}-token prompt has {expected} pages, got "
                                f"{tuple(pages.shape)}")
-        if pages.numel() * pages.element_size() <= _PROBE_ABOVE_BYTES:
+        nbytes = pages.numel() * pages.element_size()
+        if self._inline(plan, transfer_id, nbytes):
+            assert transfer_id is not None
+            return self._save_inline(plan, pages, transfer_id)
+        if nbytes <= _PROBE_ABOVE_BYTES:
             missing = list(range(plan.num_chunks))
         else:
             present = self.chunks.present(plan.digests, holder=transfer_id)
@@ -144,9 +181,23 @@ class Transfers:
         count = sum(1 for nbytes in written if nbytes)
         return Saved(count, plan.num_chunks - count, sum(written))
 
-    def _record(self, plan: ChunkPlan, transfer_id: str) -> bytes:
-        """The record of transfer ``transfer_id``: the digests of the chunks it holds."""
-        return encode_record(self.prefix, transfer_id, plan.digests, plan.num_tokens, self.chunk_tokens)
+    def _save_inline(self, plan: ChunkPlan, pages: torch.Tensor, transfer_id: str) -> Saved:
+        """:meth:`save` of a small transfer: its one chunk inside its record, one transaction."""
+        blob = self.chunks.encode(plan, 0, pages)
+        queue = self.record_key(transfer_id)
+        try:
+            self.store.push_record(queue, [self._record(plan, transfer_id, inline=True), blob.header,
+                                           *blob.payload], self.ttl_ms)
+        except BaseException:
+            self.chunks.delete_keys([queue])  # a failed save leaves nothing, as a chunked one
+            raise
+        return Saved(1, 0, blob.nbytes)
+
+    def _record(self, plan: ChunkPlan, transfer_id: str, *, inline: bool = False) -> bytes:
+        """The record of transfer ``transfer_id``: the digests of the prompt's chunks (held, or the one that
+        follows it inline)."""
+        return encode_record(self.prefix, transfer_id, plan.digests, plan.num_tokens, self.chunk_tokens,
+                             inline=inline)
 
     # -- the consumer --------------------------------------------------------------------------------
 
@@ -156,6 +207,10 @@ class Transfers:
         the transfer's record when it has an id; then the transfer's holds are released (with no id, the
         chunks up to the last one read are deleted where no transfer holds them)."""
         indexes = plan.covering(start, stop)
+        if plan.num_chunks == 1 and self._inline(plan, transfer_id,
+                                                 self.chunks.pages_nbytes(plan, 0, page_format)):
+            assert transfer_id is not None
+            return self._take_inline(plan, indexes, page_format, transfer_id)
         # Without a transfer the prompt's stored chunks are taken as an entry was, whole: those before the
         # ones read (the decode's prefix cache held them) go too.
         release = plan.digests if transfer_id is not None else plan.digests[:indexes.stop]
@@ -173,19 +228,59 @@ class Transfers:
         # The record this prompt's save pushed, byte for byte, needs no decoding; anything else is decoded to
         # tell why it does not fit.
         if transfer_id is not None and record != self._record(plan, transfer_id):
-            cause, _ = self._checked_record(plan, transfer_id, record)
+            cause, checked = self._checked_record(plan, transfer_id, record)
             if cause != "hit":
                 return Taken(indexes.start if indexes else 0, cause=cause)
+            if checked is not None and checked.inline is not None:  # a small transfer after all
+                return self._inline_taken(plan, indexes, page_format, checked.inline)
         return _leading(indexes, reads)
+
+    def _take_inline(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
+                     transfer_id: str) -> Taken:
+        """:meth:`take` of a small transfer: its record's pop, the chunk it carries checked (a record that
+        carries none, from a prefill that judged otherwise, is taken as :meth:`_take_stepwise` does)."""
+        record: Any
+        try:
+            record = self.store.pop_record(self.record_key(transfer_id), self.pop_timeout_s)
+        except WrongTypeError as exc:
+            record = exc
+        expected = self._record(plan, transfer_id, inline=True)
+        if isinstance(record, (bytes, bytearray)) and record.startswith(expected):
+            # The record this save pushed, byte for byte: the chunk follows it.
+            return self._inline_taken(plan, indexes, page_format, memoryview(record)[len(expected):])
+        cause, checked = self._checked_record(plan, transfer_id, record)
+        if cause != "hit":
+            return Taken(indexes.start if indexes else 0, cause=cause)
+        assert checked is not None
+        if checked.inline is None:
+            try:
+                return self._read_leading(plan, indexes, page_format)
+            finally:
+                self._release_quietly(checked.held, transfer_id)
+        return self._inline_taken(plan, indexes, page_format, checked.inline)
+
+    def _inline_taken(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
+                      blob: memoryview) -> Taken:
+        """What a take of a small transfer got from the chunk its record carried."""
+        if not indexes:
+            return Taken(0)
+        read = self.chunks.check(plan, 0, blob, page_format)
+        if read.pages is None:
+            logger.warning("dropped the chunk a transfer record carried (%s)", read.cause)
+        return _leading(indexes, [read])
 
     def _take_stepwise(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
                        transfer_id: str | None) -> Taken:
         """:meth:`take` a round trip at a time: the record, then (if it fits) the chunks, then the release."""
         held: tuple[str, ...] = ()
         if transfer_id is not None:
-            cause, held = self._take_record(plan, transfer_id)
+            cause, record = self._take_record(plan, transfer_id)
             if cause != "hit":
                 return Taken(indexes.start if indexes else 0, cause=cause)
+            assert record is not None
+            if record.inline is not None:
+                return self._inline_taken(plan, indexes, page_format, record.inline)
+            held = record.held
         try:
             return self._read_leading(plan, indexes, page_format)
         finally:
@@ -194,8 +289,8 @@ class Transfers:
             done = held if transfer_id is not None else plan.digests[:indexes.stop]
             self._release_quietly(done, transfer_id or _NOBODY)
 
-    def _take_record(self, plan: ChunkPlan, transfer_id: str) -> tuple[str, tuple[str, ...]]:
-        """Why the transfer's record does not fit ``plan`` (or ``"hit"``), and the chunks it holds."""
+    def _take_record(self, plan: ChunkPlan, transfer_id: str) -> tuple[str, Record | None]:
+        """Why the transfer's record does not fit ``plan`` (or ``"hit"``), and the record."""
         record: Any
         try:
             record = self.store.pop_record(self.record_key(transfer_id), self.pop_timeout_s)
@@ -203,24 +298,24 @@ class Transfers:
             record = exc
         return self._checked_record(plan, transfer_id, record)
 
-    def _checked_record(self, plan: ChunkPlan, transfer_id: str, record: Any) -> tuple[str, tuple[str, ...]]:
+    def _checked_record(self, plan: ChunkPlan, transfer_id: str, record: Any) -> tuple[str, Record | None]:
         """:meth:`_take_record` of a record taken already (``None``: none came; an error: the list's key holds
         another type, and is deleted)."""
         if isinstance(record, Exception):
             self.chunks.delete_keys([self.record_key(transfer_id)])
-            return "foreign", ()
+            return "foreign", None
         if record is None:
-            return "late", ()
+            return "late", None
         try:
-            held = record_digests(record, transfer_id, self.prefix)
+            parsed = parse_record(record, transfer_id, self.prefix)
         except CodecError as exc:
             logger.warning("dropped the unreadable record of transfer %s: %s", transfer_id, exc)
-            return "corrupt", ()
-        if held != plan.digests:
+            return "corrupt", None
+        if parsed.digests != plan.digests:
             # Another prompt's record under this id: release what it holds all the same.
-            self._release_quietly(held, transfer_id)
-            return "foreign", ()
-        return "hit", held
+            self._release_quietly(parsed.held, transfer_id)
+            return "foreign", None
+        return "hit", parsed
 
     def _read_leading(self, plan: ChunkPlan, indexes: range, page_format: PageFormat) -> Taken:
         return _leading(indexes, self.chunks.read(plan, list(indexes), page_format))
@@ -274,7 +369,7 @@ def discard_transfer(store: RedisStore, prefix: str, transfer_id: str, *, wait_s
     if record is None:
         return False
     try:
-        held = record_digests(record, transfer_id, prefix)
+        held = parse_record(record, transfer_id, prefix).held
     except CodecError as exc:
         logger.warning("discarded an unreadable record of transfer %s (its chunks expire with their TTL): %s",
                        transfer_id, exc)
@@ -284,20 +379,31 @@ def discard_transfer(store: RedisStore, prefix: str, transfer_id: str, *, wait_s
 
 
 def encode_record(space: str, transfer_id: str, digests: tuple[str, ...] | list[str], tokens: int,
-                  chunk_tokens: int) -> bytes:
+                  chunk_tokens: int, *, inline: bool = False) -> bytes:
     """The record of transfer ``transfer_id`` in key space ``space``, naming chunks ``digests`` of a
-    ``tokens``-token prompt in chunks of ``chunk_tokens`` (see :data:`RECORD_MAGIC`)."""
+    ``tokens``-token prompt in chunks of ``chunk_tokens`` (see :data:`RECORD_MAGIC`); with ``inline``, the
+    head of a record its one chunk's blob follows (:data:`INLINE_MAGIC`, padded)."""
     space_raw, id_raw = space.encode(), transfer_id.encode()
-    body = b"".join((_RECORD_HEAD.pack(RECORD_MAGIC, tokens, chunk_tokens, len(digests), len(space_raw),
+    magic = INLINE_MAGIC if inline else RECORD_MAGIC
+    body = b"".join((_RECORD_HEAD.pack(magic, tokens, chunk_tokens, len(digests), len(space_raw),
                                        len(id_raw)), space_raw, id_raw, bytes.fromhex("".join(digests))))
-    return body + _RECORD_SUM.pack(xxhash.xxh3_64_intdigest(body))
+    record = body + _RECORD_SUM.pack(xxhash.xxh3_64_intdigest(body))
+    return record.ljust(_inline_offset(len(record)), b"\0") if inline else record
 
 
 def record_digests(record: bytes | bytearray, transfer_id: str, space: str) -> tuple[str, ...]:
     """The chunk digests a transfer's record names, once checked as written for key space ``space`` and
     transfer ``transfer_id``; raises :class:`~kvredis.errors.CodecError` for any other bytes."""
-    if record[:len(RECORD_MAGIC)] == RECORD_MAGIC:
-        return _raw_record_digests(bytes(record), transfer_id, space)
+    return parse_record(record, transfer_id, space).digests
+
+
+def parse_record(record: bytes | bytearray, transfer_id: str, space: str) -> Record:
+    """A transfer's record, once checked as written for key space ``space`` and transfer ``transfer_id``;
+    raises :class:`~kvredis.errors.CodecError` for any other bytes. The chunk a small transfer's record
+    carries is not checked here (:meth:`ChunkStore.check` does, against the reader's plan)."""
+    magic = bytes(record[:len(RECORD_MAGIC)])
+    if magic in (RECORD_MAGIC, INLINE_MAGIC):
+        return _parse_raw_record(record, transfer_id, space, inline=magic == INLINE_MAGIC)
     # A record as kvredis wrote it before (a codec blob): a prefill not yet upgraded.
     tensors, meta = codec.decode(record, max_payload_bytes=_MAX_RECORD_BYTES)
     if (meta.get("kind") != RECORD_KIND or meta.get("space") != space or meta.get("id") != transfer_id
@@ -305,21 +411,35 @@ def record_digests(record: bytes | bytearray, transfer_id: str, space: str) -> t
             or tensors[0].dim() != 1 or tensors[0].numel() % 16):
         raise CodecError(f"not a transfer record of {space} for {transfer_id}: {meta!r}")
     raw = codec.tensor_bytes(tensors[0]).tobytes()
-    return tuple(raw[i:i + 16].hex() for i in range(0, len(raw), 16))
+    return Record(tuple(raw[i:i + 16].hex() for i in range(0, len(raw), 16)))
 
 
-def _raw_record_digests(record: bytes, transfer_id: str, space: str) -> tuple[str, ...]:
-    """:func:`record_digests` of a record in :data:`RECORD_MAGIC`'s format."""
-    if not _RECORD_HEAD.size + _RECORD_SUM.size <= len(record) <= _MAX_RECORD_BYTES:
+def _inline_offset(record_nbytes: int) -> int:
+    """Where the chunk starts in a small transfer's record of ``record_nbytes`` (aligned as a blob's payload
+    is within the blob, so its tensors are as aligned as an entry's)."""
+    return -(-record_nbytes // codec.ALIGN) * codec.ALIGN
+
+
+def _parse_raw_record(record: bytes | bytearray, transfer_id: str, space: str, *, inline: bool) -> Record:
+    """:func:`parse_record` of a record in :data:`RECORD_MAGIC`'s or :data:`INLINE_MAGIC`'s layout."""
+    if len(record) < _RECORD_HEAD.size + _RECORD_SUM.size:
         raise CodecError(f"a transfer record of {len(record)} bytes")
-    body, (checksum,) = record[:-_RECORD_SUM.size], _RECORD_SUM.unpack_from(record, len(record) - 8)
-    if xxhash.xxh3_64_intdigest(body) != checksum:
-        raise CodecError("corrupt transfer record: checksum mismatch")
-    _, _, _, count, space_len, id_len = _RECORD_HEAD.unpack_from(body)
+    _, _, _, count, space_len, id_len = _RECORD_HEAD.unpack_from(record)
     names = _RECORD_HEAD.size + space_len + id_len
-    if len(body) != names + 16 * count:
-        raise CodecError(f"a transfer record of {len(body)} bytes naming {count} chunks")
+    size = names + 16 * count + _RECORD_SUM.size  # the record's own bytes, with its checksum
+    if size > _MAX_RECORD_BYTES or len(record) < size or (not inline and len(record) != size):
+        raise CodecError(f"a transfer record of {len(record)} bytes naming {count} chunks")
+    view = memoryview(record)
+    body = bytes(view[:size - _RECORD_SUM.size])
+    if xxhash.xxh3_64_intdigest(body) != _RECORD_SUM.unpack_from(record, size - _RECORD_SUM.size)[0]:
+        raise CodecError("corrupt transfer record: checksum mismatch")
     if (body[_RECORD_HEAD.size:_RECORD_HEAD.size + space_len] != space.encode()
             or body[_RECORD_HEAD.size + space_len:names] != transfer_id.encode()):
         raise CodecError(f"not a transfer record of {space} for {transfer_id}")
-    return tuple(body[i:i + 16].hex() for i in range(names, len(body), 16))
+    digests = tuple(body[i:i + 16].hex() for i in range(names, len(body), 16))
+    if not inline:
+        return Record(digests)
+    start = _inline_offset(size)
+    if count != 1 or len(record) <= start or any(view[size:start]):
+        raise CodecError(f"a small transfer's record of {len(record)} bytes naming {count} chunks")
+    return Record(digests, view[start:])

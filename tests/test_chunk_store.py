@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from kvredis import chunk_store as chunk_store_module
 from kvredis import codec
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.chunk_keys import ChunkPlan
@@ -360,3 +361,44 @@ def test_the_pages_read_are_views_of_one_buffer_and_writable(chunk_store: ChunkS
     for read in reads:
         assert read.pages is not None and torch.equal(read.pages, pages_of(plan, read.index))
         read.pages.add_(1)  # the reader owns them: no read-only bytes behind a tensor
+
+
+@pytest.mark.parametrize("holder", [None, "a" * 16])
+def test_a_large_write_hashes_ahead_and_sends_a_chunk_at_a_time(chunk_store: ChunkStore, holder: str | None,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``_HASH_AHEAD_BYTES`` (lowered here) each chunk is hashed on a thread while the one before it
+    goes out: the same values, each with its checksums, sent a transaction at a time."""
+    monkeypatch.setattr(chunk_store_module, "_HASH_AHEAD_BYTES", 0)
+    groups: list[int] = []
+    call_in_groups = chunk_store.store.call_in_groups
+
+    def counted(client, made):
+        return call_in_groups(client, (groups.append(len(group)) or group for group in made))
+
+    monkeypatch.setattr(chunk_store.store, "call_in_groups", counted)
+    plan = ChunkPlan.of(list(range(75)), CHUNK)
+    written = chunk_store.write(plan, [(i, pages_of(plan, i)) for i in range(3)], holder=holder,
+                                record=("ahead-record", b"r"))
+    if chunk_store.store.call(chunk_store.store.redis, ("PING",)) is not None:  # kvredis frames here
+        assert groups == ([1, 1, 1, 4] if holder is None else [6, 6, 8])
+    assert all(written)
+    for read in chunk_store.read(plan, [0, 1, 2], FORMAT):
+        assert read.cause == "hit" and read.pages is not None and torch.equal(read.pages,
+                                                                              pages_of(plan, read.index))
+    chunk_store.store.delete(["ahead-record"])
+
+
+def test_checksums_ahead_are_the_frames_own_and_errors_reach_the_caller() -> None:
+    frames = [codec.Frames.of([torch.randn(1000 + i)]) for i in range(4)]
+    ahead = codec.ChecksumsAhead(frames)
+    assert [ahead.get(i) for i in range(4)] == [f.checksums() for f in frames]
+    ahead.close()
+
+    class Broken(codec.Frames):
+        def checksums(self) -> list[int]:
+            raise MemoryError("no memory for the hash")
+
+    broken = codec.ChecksumsAhead([Broken(f.descriptors, f.views, f.nbytes) for f in frames[:2]])
+    with pytest.raises(MemoryError):
+        broken.get(1)
+    broken.close()

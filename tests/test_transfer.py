@@ -291,6 +291,9 @@ def test_a_save_that_fails_after_its_record_went_out_leaves_nothing(make_transfe
 def test_a_small_save_and_a_take_are_one_round_trip_each(make_transfers,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     transfers = make_transfers()
+    warm = transfers.plan(list(range(100, 200)))  # the server loads the scripts once (a round trip more)
+    transfers.save(warm, prompt_pages(100), transfer_id=(transfer := new_entry_id()))
+    assert transfers.take(warm, 0, 99, FORMAT, transfer_id=transfer).cause == "hit"
     calls: list[str] = []
     for name in ("call", "pipeline"):
         method = getattr(RedisStore, name)
@@ -317,3 +320,154 @@ def test_a_record_that_came_late_is_discarded_and_nothing_is_left(make_transfers
     transfers.save(plan, prompt_pages(70), transfer_id=transfer)
     assert transfers.discard(transfer, wait_s=1.0)
     assert keys_left(transfers) == []
+
+
+# -- small transfers: one chunk inside the record ------------------------------------------------------
+
+
+def test_a_small_transfer_travels_inside_its_record(make_transfers) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(20)))  # one chunk (2 KiB of pages): inside the record
+    transfer = new_entry_id()
+    saved = transfers.save(plan, prompt_pages(20), transfer_id=transfer)
+    assert (saved.written, saved.present) == (1, 0) and saved.nbytes > prompt_pages(20).numel() * 4
+    assert keys_left(transfers) == [transfers.record_key(transfer)]  # no chunk key, no holders' set
+    taken = transfers.take(plan, 3, 19, FORMAT, transfer_id=transfer)
+    assert (taken.cause, taken.first, taken.stop(plan)) == ("hit", 0, 20)
+    assert torch.equal(taken.chunks[0], prompt_pages(20)) and taken.nbytes == saved.nbytes
+    assert keys_left(transfers) == []
+
+
+@pytest.mark.parametrize("backend", ["real"])
+def test_a_small_transfer_is_one_command_to_take(make_transfers, monkeypatch: pytest.MonkeyPatch) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(20)))
+    transfer = new_entry_id()
+    transfers.save(plan, prompt_pages(20), transfer_id=transfer)
+    sent: list[tuple] = []
+    call = RedisStore.call
+    monkeypatch.setattr(RedisStore, "call", lambda self, client, *commands: (
+        sent.extend(commands), call(self, client, *commands))[1])
+    assert transfers.take(plan, 0, 19, FORMAT, transfer_id=transfer).cause == "hit"
+    assert [command[0] for command in sent] == ["BLPOP"]
+
+
+def test_a_transfer_past_the_bound_or_of_several_chunks_is_stored_in_chunks(make_transfers) -> None:
+    transfers = make_transfers()
+    transfers.inline_max_bytes = prompt_pages(20).numel() * 4 - 1
+    for plan, pages in ((transfers.plan(list(range(20))), prompt_pages(20)),
+                        (transfers.plan(list(range(40))), prompt_pages(40))):
+        transfer = new_entry_id()
+        transfers.save(plan, pages, transfer_id=transfer)
+        assert len(keys_left(transfers)) == 1 + 2 * plan.num_chunks  # the record, each chunk and its holders
+        taken = transfers.take(plan, 0, plan.num_tokens - 1, FORMAT, transfer_id=transfer)
+        assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages)
+        assert keys_left(transfers) == []
+
+
+@pytest.mark.parametrize("inline_on", ["prefill", "decode"])
+def test_sides_that_judge_a_transfer_differently_still_move_it(make_transfers, inline_on: str) -> None:
+    """A prefill and a decode of different releases (or bounds) may disagree on whether a transfer is small:
+    the take handles whichever record comes."""
+    prefill, decode = make_transfers(), make_transfers()
+    (decode if inline_on == "prefill" else prefill).inline_max_bytes = 0
+    plan = prefill.plan(list(range(20)))
+    transfer = new_entry_id()
+    prefill.save(plan, prompt_pages(20), transfer_id=transfer)
+    taken = decode.take(plan, 0, 19, FORMAT, transfer_id=transfer)
+    assert taken.cause == "hit" and torch.equal(taken.chunks[0], prompt_pages(20))
+    assert keys_left(decode) == []
+
+
+def test_a_decode_that_lacks_nothing_still_takes_the_record(make_transfers) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(20)))
+    transfer = new_entry_id()
+    transfers.save(plan, prompt_pages(20), transfer_id=transfer)
+    taken = transfers.take(plan, 20, 20, FORMAT, transfer_id=transfer)
+    assert (taken.cause, taken.chunks) == ("hit", [])
+    assert keys_left(transfers) == []
+
+
+def _small_record(transfers: Transfers, plan, transfer: str, pages: torch.Tensor) -> bytes:
+    blob = transfers.chunks.encode(plan, 0, pages)
+    return transfer_module.encode_record(transfers.prefix, transfer, plan.digests, plan.num_tokens, CHUNK,
+                                         inline=True) + blob.to_bytes()
+
+
+@pytest.mark.parametrize("damage", ["a flipped bit in the pages", "a flipped bit in the record", "cut short",
+                                    "padding not zero", "no chunk", "another prompt's chunk"])
+def test_a_damaged_small_transfer_is_refused_and_leaves_nothing(make_transfers, damage: str) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(20)))
+    transfer = new_entry_id()
+    record = bytearray(_small_record(transfers, plan, transfer, prompt_pages(20)))
+    head = len(transfer_module.encode_record(transfers.prefix, transfer, plan.digests, 20, CHUNK))
+    cause = "corrupt"
+    if damage == "a flipped bit in the pages":
+        record[-100] ^= 1
+    elif damage == "a flipped bit in the record":
+        record[head - 12] ^= 1
+    elif damage == "cut short":
+        del record[-100:]
+    elif damage == "padding not zero":
+        record[head] = 1
+    elif damage == "no chunk":
+        del record[transfer_module._inline_offset(head):]
+    else:  # a well-formed record of this prompt carrying another prompt's chunk (its digest differs)
+        other = transfers.plan(list(range(1, 21)))
+        blob = transfers.chunks.encode(other, 0, prompt_pages(20)).to_bytes()
+        record[transfer_module._inline_offset(head):] = blob
+        cause = "foreign"
+    transfers.store.push_record(transfers.record_key(transfer), bytes(record), 60_000)
+    taken = transfers.take(plan, 0, 19, FORMAT, transfer_id=transfer)
+    assert (taken.cause, taken.chunks) == (cause, [])
+    assert keys_left(transfers) == []
+
+
+def test_a_small_transfer_for_other_pages_is_a_mismatch(make_transfers) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(20)))
+    transfer = new_entry_id()
+    transfers.save(plan, prompt_pages(20), transfer_id=transfer)
+    other = PageFormat(torch.int32, FORMAT.layers, FORMAT.page_shape)  # the same bytes, another dtype
+    assert transfers.take(plan, 0, 19, other, transfer_id=transfer).cause == "mismatch"
+    assert keys_left(transfers) == []
+
+
+def test_a_small_transfer_of_another_prompt_is_foreign(make_transfers) -> None:
+    transfers = make_transfers()
+    transfer = new_entry_id()
+    transfers.save(transfers.plan(list(range(20))), prompt_pages(20), transfer_id=transfer)
+    assert transfers.take(transfers.plan(list(range(1, 21))), 0, 19, FORMAT,
+                          transfer_id=transfer).cause == "foreign"
+    assert keys_left(transfers) == []
+
+
+def test_a_small_transfer_is_discarded_and_leaves_nothing(make_transfers) -> None:
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(20)))
+    transfer = new_entry_id()
+    transfers.save(plan, prompt_pages(20), transfer_id=transfer)
+    record = transfers.store.pop_record(transfers.record_key(transfer), 1.0)
+    assert record is not None and transfer_module.parse_record(record, transfer, transfers.prefix).held == ()
+    transfers.save(plan, prompt_pages(20), transfer_id=transfer)
+    assert transfers.discard(transfer)
+    assert keys_left(transfers) == []
+
+
+def test_a_small_save_that_fails_leaves_nothing(make_transfers, monkeypatch: pytest.MonkeyPatch) -> None:
+    transfers = make_transfers(pop_timeout_s=0.2)
+    push = transfers.store.push_record
+
+    def lost_reply(*args, **kwargs):  # the record reached Redis, the answer did not
+        push(*args, **kwargs)
+        raise KVRedisConnectionError("connection lost")
+
+    monkeypatch.setattr(transfers.store, "push_record", lost_reply)
+    plan = transfers.plan(list(range(20)))
+    transfer = new_entry_id()
+    with pytest.raises(KVRedisConnectionError):
+        transfers.save(plan, prompt_pages(20), transfer_id=transfer)
+    assert keys_left(transfers) == []
+    assert transfers.take(plan, 0, 19, FORMAT, transfer_id=transfer).cause == "late"
