@@ -66,13 +66,19 @@ end
 if written then return 1 end
 return 0
 """
-# KEYS: the chunk, its holders. ARGV: holder. Drops the hold; the last one deletes the chunk. Returns 1 if it
-# deleted the chunk.
+# KEYS: the chunk, its holders. ARGV: holder, "1" if that is NOBODY. Drops the hold; the last one deletes the
+# chunk. A holder that held nothing deletes nothing (a chunk of a reuse-mode writer has no holders and stays),
+# but NOBODY, a take without a transfer, deletes a chunk nobody holds. Returns 1 if it deleted the chunk.
 _RELEASE = """
-redis.call('SREM', KEYS[2], ARGV[1])
-if redis.call('SCARD', KEYS[2]) == 0 then return redis.call('DEL', KEYS[1]) end
+local dropped = redis.call('SREM', KEYS[2], ARGV[1])
+if (dropped == 1 or ARGV[2] == '1') and redis.call('SCARD', KEYS[2]) == 0 then
+  return redis.call('DEL', KEYS[1])
+end
 return 0
 """
+
+NOBODY = "0" * 16
+"""The holder a take without a transfer id releases as: it holds nothing, so chunks nobody holds go."""
 
 _SHAS: dict[str, str] = {}
 
@@ -114,6 +120,12 @@ class ChunkStore:
         self.block_size = block_size
         self.max_chunk_bytes = max_chunk_bytes
         self.checksum = checksum
+
+    def ttl_at(self, index: int) -> int:
+        """The TTL of a prompt's chunk ``index``, in ms: shorter the further the chunk lies (by up to a
+        quarter of the TTL, from position 1,024 on), so that a Redis evicting by TTL (``volatile-ttl``) takes
+        a prompt's later chunks before its earlier ones. Every use restarts it (reuse)."""
+        return self.ttl_ms - min(index, _TTL_STEPS) * (self.ttl_ms // (4 * _TTL_STEPS))
 
     def _pair(self, digest: str) -> list[str]:
         """A chunk's key and its holders' set (one slot): the keys every script takes."""
@@ -158,19 +170,23 @@ class ChunkStore:
 
     # -- presence ---------------------------------------------------------------------------------
 
-    def present(self, digests: Sequence[str], *, holder: str | None = None,
-                lookup: bool = False) -> list[bool]:
-        """Which of the chunks are in Redis now; with ``holder``, each present one is held for it (transfer
-        mode). ``lookup``: bounded by ``lookup_timeout_s`` (a call from vLLM's scheduler)."""
+    def present(self, digests: Sequence[str], *, holder: str | None = None, lookup: bool = False,
+                refresh: bool = False) -> list[bool]:
+        """Which of a prompt's chunks (``digests``, from its first) are in Redis now; with ``holder``, each
+        present one is held for it (transfer mode); with ``refresh``, its TTL restarts (reuse: a prompt sent
+        again keeps its chunks). ``lookup``: bounded by ``lookup_timeout_s`` (a call from vLLM's scheduler;
+        it changes nothing, so a lookup does not count as a use)."""
         if not digests:
             return []
         client = self.store.prober if lookup else self.store.redis
         with self.store.guarded(f"looking up {len(digests)} chunks"):
             if holder is None:
-                replies = _no_errors(self._run(client, [("EXISTS", self.keys.chunk(d)) for d in digests]))
+                commands = [("PEXPIRE", self.keys.chunk(d), self.ttl_at(i)) if refresh
+                            else ("EXISTS", self.keys.chunk(d)) for i, d in enumerate(digests)]
+                replies = _no_errors(self._run(client, commands))
                 return [bool(int(reply)) for reply in replies]
-            replies = self._eval_each(client, _HOLD, [(self._pair(digest), [holder, self.ttl_ms])
-                                                      for digest in digests])
+            replies = self._eval_each(client, _HOLD, [(self._pair(digest), [holder, self.ttl_at(i)])
+                                                      for i, digest in enumerate(digests)])
             return [bool(int(reply)) for reply in replies]
 
     def stored_prefix(self, digests: Sequence[str], *, lookup: bool = True) -> int:
@@ -213,22 +229,24 @@ class ChunkStore:
         (its TTL refreshed), after every chunk: on one server in the same round trip."""
         if not chunks and record is None:
             return []
-        framed = [(plan.digests[index], *self._frames(plan, index, pages)) for index, pages in chunks]
+        framed = [(index, plan.digests[index], *self._frames(plan, index, pages)) for index, pages in chunks]
         client = self.store.redis
         with self.store.guarded(f"writing {len(framed)} chunks"):
             written = None if self.store.cluster else self._write_framed(client, framed, holder, record)
             if written is not None:
                 return written
             # A script per chunk: one slot each, whatever node holds it (values pass through Lua: slower).
-            blobs = [(digest, frames.encode(meta, checksum=self.checksum)) for digest, frames, meta in framed]
-            calls = [(self._pair(digest), [[blob.header, *blob.payload], self.ttl_ms, holder or ""])
-                     for digest, blob in blobs]
+            blobs = [(index, digest, frames.encode(meta, checksum=self.checksum))
+                     for index, digest, frames, meta in framed]
+            calls = [(self._pair(digest), [[blob.header, *blob.payload], self.ttl_at(index), holder or ""])
+                     for index, digest, blob in blobs]
             replies = [bool(int(reply)) for reply in self._eval_each(client, _WRITE, calls)]
             if record is not None:
                 self.store.push_record(record[0], record[1], self.ttl_ms)
-            return [blob.nbytes if _ok(reply) else 0 for (_, blob), reply in zip(blobs, replies, strict=True)]
+            return [blob.nbytes if _ok(reply) else 0
+                    for (_, _, blob), reply in zip(blobs, replies, strict=True)]
 
-    def _write_framed(self, client: Any, framed: list[tuple[str, codec.Frames, dict[str, Any]]],
+    def _write_framed(self, client: Any, framed: list[tuple[int, str, codec.Frames, dict[str, Any]]],
                       holder: str | None, record: tuple[str, bytes] | None = None) -> list[int] | None:
         """:meth:`write` on one server, framed by kvredis: a transaction per chunk, SET NX (the value as its
         header and payload buffers, never joined nor passed through Lua) and the hold together, so no release
@@ -242,23 +260,24 @@ class ChunkStore:
         if record is not None:
             pushing = [("RPUSH", record[0], record[1]), ("PEXPIRE", record[0], self.ttl_ms)]
         ahead = None
-        if self.checksum and len(framed) > 1 and sum(f.nbytes for _, f, _ in framed) >= _HASH_AHEAD_BYTES:
-            ahead = codec.ChecksumsAhead([frames for _, frames, _ in framed])
+        if self.checksum and len(framed) > 1 and sum(f.nbytes for _, _, f, _ in framed) >= _HASH_AHEAD_BYTES:
+            ahead = codec.ChecksumsAhead([frames for _, _, frames, _ in framed])
         sizes: list[int] = []
 
         def groups() -> Iterator[list[tuple[Any, ...]]]:
-            for index, (digest, frames, meta) in enumerate(framed):
-                crcs = None if ahead is None else ahead.get(index)
+            for position, (index, digest, frames, meta) in enumerate(framed):
+                crcs = None if ahead is None else ahead.get(position)
                 blob = frames.encode(meta, checksum=self.checksum, crcs=crcs)
                 sizes.append(blob.nbytes)
                 key, holders = self._pair(digest)
-                write = ("SET", key, [blob.header, *blob.payload], "NX", "PX", self.ttl_ms)
+                ttl = self.ttl_at(index)
+                write = ("SET", key, [blob.header, *blob.payload], "NX", "PX", ttl)
                 if holder is None:
                     yield [write]
                     continue
-                last = pushing if merged and index == len(framed) - 1 else []
-                yield [("MULTI",), write, ("SADD", holders, holder), ("PEXPIRE", holders, self.ttl_ms),
-                       ("PEXPIRE", key, self.ttl_ms), *last, ("EXEC",)]
+                last = pushing if merged and position == len(framed) - 1 else []
+                yield [("MULTI",), write, ("SADD", holders, holder), ("PEXPIRE", holders, ttl),
+                       ("PEXPIRE", key, ttl), *last, ("EXEC",)]
             if record is not None and not merged:
                 yield [("MULTI",), *pushing, ("EXEC",)]
 
@@ -292,21 +311,31 @@ class ChunkStore:
     def read(self, plan: ChunkPlan, indexes: Sequence[int], page_format: PageFormat, *,
              refresh_ttl: bool = False) -> list[ChunkRead]:
         """Read chunks ``indexes`` of ``plan`` (one round trip) and check each; a chunk that fails a check
-        is deleted and read as ``None`` with its cause. ``refresh_ttl``: a hit's TTL starts again (reuse)."""
+        is deleted and read as ``None`` with its cause. ``refresh_ttl`` (reuse): the TTL of each chunk read,
+        and of every chunk before it, restarts."""
         if not indexes:
             return []
         keys = [self.keys.chunk(plan.digests[index]) for index in indexes]
+        touch = self._touches(plan, indexes) if refresh_ttl else []
         client = self.store.redis
         with self.store.guarded(f"reading {len(keys)} chunks"):
             fetched = None
             if not self.store.cluster:
-                fetched = self._fetch_framed(client, plan, indexes, keys, page_format, refresh_ttl)
-            values = fetched[1] if fetched is not None else self._fetch(client, keys, refresh_ttl)
+                fetched = self._fetch_framed(client, plan, indexes, keys, page_format, refresh_ttl,
+                                             after=touch)
+            if fetched is not None:
+                values = fetched[1]
+                _no_errors(fetched[2])
+            else:
+                values = self._fetch(client, keys, self._ttls(indexes) if refresh_ttl else None)
+                if touch:
+                    _no_errors(self._run(client, touch))
             _raise_unless_wrongtype(values)
         return self._checked_reads(plan, indexes, keys, values, page_format)
 
     def take(self, plan: ChunkPlan, indexes: Sequence[int], page_format: PageFormat, *, queue: str | None,
-             wait_s: float, release: Sequence[str], holder: str) -> tuple[Any, list[ChunkRead]] | None:
+             wait_s: float, release: Sequence[str], holder: str,
+             refresh_ttl: bool = False) -> tuple[Any, list[ChunkRead]] | None:
         """In one round trip on one server: take the oldest record of list ``queue`` (a blocking pop, waiting
         up to ``wait_s``; none without a queue), read chunks ``indexes`` as :meth:`read` does, then drop
         ``holder``'s hold on each of ``release`` as :meth:`release` does. Redis runs them in that order, so
@@ -315,37 +344,52 @@ class ChunkStore:
         ``None`` on a cluster or a stand-in client, whose callers do each step on its own.
 
         The reads and the release run whether or not a record came: a caller that finds none (or a record of
-        another prompt) has released the holds ``holder`` had on ``release`` all the same."""
+        another prompt) has released the holds ``holder`` had on ``release`` all the same. ``refresh_ttl``
+        (reuse): the TTL of each chunk read, and of every chunk before it, restarts."""
         if self.store.cluster:
             return None
         keys = [self.keys.chunk(plan.digests[index]) for index in indexes]
         sha = _sha(_RELEASE)
         before = [] if queue is None else [("BLPOP", queue, f"{max(wait_s, 0.001):.3f}")]
-        after = [("EVALSHA", sha, 2, *self._pair(digest), holder) for digest in release]
+        after = [("EVALSHA", sha, 2, *self._pair(digest), *_release_args(holder)) for digest in release]
+        if refresh_ttl:
+            after += self._touches(plan, indexes)
         client = self.store.popper if queue is not None else self.store.redis
         with self.store.guarded(f"taking {len(keys)} chunks"):
-            fetched = self._fetch_framed(client, plan, indexes, keys, page_format, False, before, after)
+            fetched = self._fetch_framed(client, plan, indexes, keys, page_format, refresh_ttl, before, after)
             if fetched is None:
                 return None
             popped, values, released = fetched
             if isinstance(popped, RespError) and "WRONGTYPE" not in str(popped):
                 _raise(popped)
             missing = []
-            for digest, reply in zip(release, released, strict=True):
+            _no_errors(released[len(release):])
+            for digest, reply in zip(release, released[:len(release)], strict=True):
                 if _is_error(reply) and "NOSCRIPT" in str(reply):
                     missing.append(digest)
                 elif _is_error(reply):
                     _raise(reply)
             if missing:  # the script was not loaded yet: those releases did not run
-                self._eval_each(client, _RELEASE, [(self._pair(digest), [holder]) for digest in missing])
+                self._eval_each(client, _RELEASE, [(self._pair(digest), _release_args(holder))
+                                                   for digest in missing])
             _raise_unless_wrongtype(values)
         record = popped[1] if isinstance(popped, list) and len(popped) == 2 else popped
         return record, self._checked_reads(plan, indexes, keys, values, page_format)
 
-    def _fetch(self, client: Any, keys: list[str], refresh_ttl: bool) -> list[Any]:
+    def _touches(self, plan: ChunkPlan, indexes: Sequence[int]) -> list[tuple[Any, ...]]:
+        """The TTL restarts of the chunks before ``indexes``: a prefix is worth more than its suffix, so a
+        use of a prompt's later chunks is a use of its earlier ones too (reuse)."""
+        return [("PEXPIRE", self.keys.chunk(plan.digests[i]), self.ttl_at(i))
+                for i in range(min(indexes, default=0))]
+
+    def _ttls(self, indexes: Sequence[int]) -> list[int]:
+        return [self.ttl_at(index) for index in indexes]
+
+    def _fetch(self, client: Any, keys: list[str], ttls: list[int] | None) -> list[Any]:
         """Each chunk's whole value (or ``None``, or an error reply: its callers raise those but WRONGTYPE),
-        in one round trip."""
-        commands = [("GETEX", key, "PX", self.ttl_ms) if refresh_ttl else ("GET", key) for key in keys]
+        in one round trip; with ``ttls``, each one's TTL restarts at its own."""
+        commands = [("GET", key) for key in keys] if ttls is None else [
+            ("GETEX", key, "PX", ttl) for key, ttl in zip(keys, ttls, strict=True)]
         return self._run(client, commands)
 
     def _fetch_framed(self, client: Any, plan: ChunkPlan, indexes: Sequence[int], keys: list[str],
@@ -371,13 +415,14 @@ class ChunkStore:
         costs: list[int] = [0] * len(before)
         reads: list[_Read] = []
         offset = 0
-        for key, size in zip(keys, sizes, strict=True):
+        for index, key, size in zip(indexes, keys, sizes, strict=True):
+            ttl = self.ttl_at(index)
             read = _Read(out[offset:offset + size], piece)
             offset += size
             reads.append(read)
             read.first = read.last = len(commands)
             if size <= piece:
-                commands.append(("GETEX", key, "PX", self.ttl_ms) if refresh_ttl else ("GET", key))
+                commands.append(("GETEX", key, "PX", ttl) if refresh_ttl else ("GET", key))
                 places.append(read.place_whole)
                 costs.append(size)
                 continue
@@ -385,7 +430,7 @@ class ChunkStore:
             ranges = [("GETRANGE", key, 0, -size - 1)]
             ranges += [("GETRANGE", key, start - size, min(start + piece, size) - size - 1)
                        for start in range(0, size, piece)]
-            expiry = [("PEXPIRE", key, self.ttl_ms)] if refresh_ttl else []
+            expiry = [("PEXPIRE", key, ttl)] if refresh_ttl else []
             group = [("MULTI",), ("STRLEN", key), *ranges, *expiry, ("EXEC",)]
             read.last = len(commands) + len(group) - 1
             commands += group
@@ -404,7 +449,8 @@ class ChunkStore:
         values = [read.value(replies, size) for read, size in zip(reads, sizes, strict=True)]
         again = [i for i, value in enumerate(values) if value is _AGAIN]
         if again:
-            whole = self._fetch(self.store.redis, [keys[i] for i in again], refresh_ttl)
+            whole = self._fetch(self.store.redis, [keys[i] for i in again],
+                                self._ttls([indexes[i] for i in again]) if refresh_ttl else None)
             for i, value in zip(again, whole, strict=True):
                 values[i] = value
         return (replies[0] if before else None), values, replies[first_after:]
@@ -548,7 +594,7 @@ class ChunkStore:
             return 0
         client = self.store.redis
         with self.store.guarded(f"releasing {len(digests)} chunks"):
-            calls = [(self._pair(digest), [holder]) for digest in digests]
+            calls = [(self._pair(digest), _release_args(holder)) for digest in digests]
             replies = self._eval_each(client, _RELEASE, calls)
             return sum(int(reply) for reply in replies)
 
@@ -559,6 +605,11 @@ class ChunkStore:
         except KVRedisError as exc:
             logger.debug("could not delete %d unusable chunks (they expire with their TTL): %s", len(keys),
                          exc)
+
+
+def _release_args(holder: str) -> list[Any]:
+    """The release script's arguments for ``holder``."""
+    return [holder, "1" if holder == NOBODY else "0"]
 
 
 def _is_error(reply: Any) -> bool:
@@ -605,6 +656,7 @@ def _aligned(nbytes: int) -> int:
     return (nbytes + codec.ALIGN - 1) // codec.ALIGN * codec.ALIGN
 
 
+_TTL_STEPS = 1024  # chunk positions over which a prompt's TTLs shorten (ChunkStore.ttl_at)
 _HASH_AHEAD_BYTES = 32 << 20  # a write of this many bytes or more hashes on a thread while it sends
 _MIN_HEADER = codec.ALIGN  # a blob's prefix and header, padded: never less than this
 _AGAIN = object()

@@ -302,6 +302,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Client certificate for mutual TLS."),
     Setting("tls_key_file", _optional_file, None,
             "Private key of the client certificate."),
+    Setting("reuse", _bool, False,
+            "Keep stored KV chunks for any later request with that prefix, on any engine (a shared prefix "
+            "cache): nothing is deleted when a decode reads it; a chunk's TTL restarts on each use and "
+            "Redis's eviction takes the least used. Off: chunks live only while a transfer needs them."),
     Setting("store_all_prompts", _bool, False,
             "vLLM producers store every prompt they prefill, for any decode of the same prompt (the seed's "
             "behaviour), not only those the proxy sends on to a decode."),
@@ -359,6 +363,7 @@ class KVRedisConfig:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    reuse: bool = False
     store_all_prompts: bool = False
 
     def __post_init__(self) -> None:

@@ -21,6 +21,11 @@ nothing to release: the commands of an entry of the lookup buffer, not the chunk
 decide so from the prompt and the page format; a take that finds the other kind of record than it expected
 handles it all the same.
 
+In **reuse** mode (``KVREDIS_REUSE``) nothing is held, released or deleted after use: a save restarts the
+TTL of the chunks present and writes the others, its record names chunks it does not hold
+(:data:`SHARED_MAGIC`), and a take restarts the TTL of the chunks it reads and of those before them. Chunks
+leave by their TTL and Redis's eviction (:meth:`ChunkStore.ttl_at` orders a prompt's chunks for it).
+
 A transfer nobody will take (the decode computed the prompt, the request was aborted, the decode never got
 it) is **discarded**: its record is taken (waiting for it, since the prefill may still be writing) and its
 holds released.
@@ -41,7 +46,7 @@ import xxhash
 
 from kvredis import codec
 from kvredis.chunk_keys import ChunkPlan
-from kvredis.chunk_store import ChunkRead, ChunkStore, PageFormat
+from kvredis.chunk_store import NOBODY, ChunkRead, ChunkStore, PageFormat
 from kvredis.client import RedisStore
 from kvredis.errors import CodecError, KVRedisError
 from kvredis.keys import check_entry_id
@@ -59,6 +64,9 @@ RECORD_MAGIC = b"KVT\x01"
 INLINE_MAGIC = b"KVT\x02"
 """A record in :data:`RECORD_MAGIC`'s layout, padded with zeros to a multiple of ``codec.ALIGN``, then the
 transfer's one chunk as a blob (its transfer holds no chunk in Redis)."""
+SHARED_MAGIC = b"KVT\x03"
+"""A record in :data:`RECORD_MAGIC`'s layout whose transfer holds none of the chunks it names (reuse: they
+stay for any reader, under their TTL)."""
 _RECORD_HEAD = struct.Struct("<4sIIIHH")
 _RECORD_SUM = struct.Struct("<Q")
 # A save of at most this many bytes of pages does not ask Redis first which chunks it holds: it writes every
@@ -105,11 +113,12 @@ class Record:
 
     digests: tuple[str, ...]
     inline: memoryview | None = None
+    holds: bool = True  # False: written in reuse mode, it names chunks nobody holds
 
     @property
     def held(self) -> tuple[str, ...]:
         """The chunks its transfer holds in Redis."""
-        return () if self.inline is not None else self.digests
+        return self.digests if self.holds and self.inline is None else ()
 
 
 class Transfers:
@@ -117,7 +126,7 @@ class Transfers:
 
     def __init__(self, store: RedisStore, prefix: str, *, chunk_tokens: int, block_size: int, ttl_ms: int,
                  pop_timeout_s: float, max_chunk_bytes: int, checksum: bool = True,
-                 inline_max_bytes: int = _INLINE_MAX_BYTES) -> None:
+                 inline_max_bytes: int = _INLINE_MAX_BYTES, reuse: bool = False) -> None:
         if chunk_tokens <= 0 or chunk_tokens % block_size:
             raise ValueError(f"chunk_tokens {chunk_tokens} is not a positive multiple of the block size "
                              f"{block_size}")
@@ -127,7 +136,9 @@ class Transfers:
         self.block_size = block_size
         self.ttl_ms = max(1, int(ttl_ms))
         self.pop_timeout_s = pop_timeout_s
-        self.inline_max_bytes = inline_max_bytes  # 0: every transfer's chunks under their own keys
+        self.reuse = reuse  # chunks stay for any later reader: nothing held, released or deleted after use
+        # 0: every transfer's chunks under their own keys (reuse needs them there, for other readers).
+        self.inline_max_bytes = 0 if reuse else inline_max_bytes
         self.chunks = ChunkStore(store, prefix, ttl_ms=ttl_ms, block_size=block_size,
                                  max_chunk_bytes=max_chunk_bytes, checksum=checksum)
 
@@ -159,6 +170,8 @@ class Transfers:
         if self._inline(plan, transfer_id, nbytes):
             assert transfer_id is not None
             return self._save_inline(plan, pages, transfer_id)
+        if self.reuse:
+            return self._save_shared(plan, pages, per_chunk, transfer_id)
         if nbytes <= _PROBE_ABOVE_BYTES:
             missing = list(range(plan.num_chunks))
         else:
@@ -181,6 +194,25 @@ class Transfers:
         count = sum(1 for nbytes in written if nbytes)
         return Saved(count, plan.num_chunks - count, sum(written))
 
+    def _save_shared(self, plan: ChunkPlan, pages: torch.Tensor, per_chunk: int,
+                     transfer_id: str | None) -> Saved:
+        """:meth:`save` in reuse mode: the chunks present have their TTL restarted (a prompt sent again keeps
+        them), the others are written; nothing is held. The record, if any, holds nothing either."""
+        present = self.chunks.present(plan.digests, refresh=True)
+        chunks = [(index, pages[:, index * per_chunk:(index + 1) * per_chunk])
+                  for index, there in enumerate(present) if not there]
+        record = None
+        if transfer_id is not None:
+            record = (self.record_key(transfer_id), self._record(plan, transfer_id, holds=False))
+        try:
+            written = self.chunks.write(plan, chunks, record=record)
+        except BaseException:
+            if record is not None:
+                self.chunks.delete_keys([record[0]])  # no half-announced transfer: the decode computes
+            raise
+        count = sum(1 for nbytes in written if nbytes)
+        return Saved(count, plan.num_chunks - count, sum(written))
+
     def _save_inline(self, plan: ChunkPlan, pages: torch.Tensor, transfer_id: str) -> Saved:
         """:meth:`save` of a small transfer: its one chunk inside its record, one transaction."""
         blob = self.chunks.encode(plan, 0, pages)
@@ -193,11 +225,12 @@ class Transfers:
             raise
         return Saved(1, 0, blob.nbytes)
 
-    def _record(self, plan: ChunkPlan, transfer_id: str, *, inline: bool = False) -> bytes:
-        """The record of transfer ``transfer_id``: the digests of the prompt's chunks (held, or the one that
-        follows it inline)."""
+    def _record(self, plan: ChunkPlan, transfer_id: str, *, inline: bool = False,
+                holds: bool = True) -> bytes:
+        """The record of transfer ``transfer_id``: the digests of the prompt's chunks (held, shared, or the
+        one that follows it inline)."""
         return encode_record(self.prefix, transfer_id, plan.digests, plan.num_tokens, self.chunk_tokens,
-                             inline=inline)
+                             inline=inline, holds=holds)
 
     # -- the consumer --------------------------------------------------------------------------------
 
@@ -212,26 +245,31 @@ class Transfers:
             assert transfer_id is not None
             return self._take_inline(plan, indexes, page_format, transfer_id)
         # Without a transfer the prompt's stored chunks are taken as an entry was, whole: those before the
-        # ones read (the decode's prefix cache held them) go too.
-        release = plan.digests if transfer_id is not None else plan.digests[:indexes.stop]
+        # ones read (the decode's prefix cache held them) go too. In reuse mode nothing goes.
+        release: tuple[str, ...] = plan.digests if transfer_id is not None else plan.digests[:indexes.stop]
+        if self.reuse:
+            release = ()
         queue = None if transfer_id is None else self.record_key(transfer_id)
         try:
             combined = self.chunks.take(plan, list(indexes), page_format, queue=queue,
                                         wait_s=self.pop_timeout_s, release=release,
-                                        holder=transfer_id or _NOBODY)
+                                        holder=transfer_id or NOBODY, refresh_ttl=self.reuse)
         except BaseException:
-            self._release_quietly(release, transfer_id or _NOBODY)  # the pipeline may have stopped before it
+            self._release_quietly(release, transfer_id or NOBODY)  # the pipeline may have stopped before it
             raise
         if combined is None:  # a cluster or a stand-in client: one step after the other
             return self._take_stepwise(plan, indexes, page_format, transfer_id)
         record, reads = combined
         # The record this prompt's save pushed, byte for byte, needs no decoding; anything else is decoded to
         # tell why it does not fit.
-        if transfer_id is not None and record != self._record(plan, transfer_id):
+        if transfer_id is not None and record != self._record(plan, transfer_id, holds=not self.reuse):
             cause, checked = self._checked_record(plan, transfer_id, record)
             if cause != "hit":
                 return Taken(indexes.start if indexes else 0, cause=cause)
-            if checked is not None and checked.inline is not None:  # a small transfer after all
+            assert checked is not None
+            if self.reuse and checked.held:  # written by a prefill in transfer mode: its holds go
+                self._release_quietly(checked.held, transfer_id)
+            if checked.inline is not None:  # a small transfer after all
                 return self._inline_taken(plan, indexes, page_format, checked.inline)
         return _leading(indexes, reads)
 
@@ -286,8 +324,9 @@ class Transfers:
         finally:
             # Without a transfer the prompt's stored chunks are taken as an entry was, whole: those before
             # the ones read (the decode's prefix cache held them) go too.
-            done = held if transfer_id is not None else plan.digests[:indexes.stop]
-            self._release_quietly(done, transfer_id or _NOBODY)
+            done = held if transfer_id is not None else () if self.reuse else plan.digests[:indexes.stop]
+            if done:
+                self._release_quietly(done, transfer_id or NOBODY)
 
     def _take_record(self, plan: ChunkPlan, transfer_id: str) -> tuple[str, Record | None]:
         """Why the transfer's record does not fit ``plan`` (or ``"hit"``), and the record."""
@@ -318,7 +357,7 @@ class Transfers:
         return "hit", parsed
 
     def _read_leading(self, plan: ChunkPlan, indexes: range, page_format: PageFormat) -> Taken:
-        return _leading(indexes, self.chunks.read(plan, list(indexes), page_format))
+        return _leading(indexes, self.chunks.read(plan, list(indexes), page_format, refresh_ttl=self.reuse))
 
     # -- nobody will take it ----------------------------------------------------------------------------
 
@@ -344,9 +383,6 @@ def _leading(indexes: range, reads: list[ChunkRead]) -> Taken:
         taken.nbytes += read.nbytes
     return taken
 
-
-_NOBODY = "0" * 16
-"""The holder a take without a transfer id releases as: it holds nothing, so chunks nobody holds go."""
 
 
 def record_key(prefix: str, transfer_id: str) -> str:
@@ -379,12 +415,13 @@ def discard_transfer(store: RedisStore, prefix: str, transfer_id: str, *, wait_s
 
 
 def encode_record(space: str, transfer_id: str, digests: tuple[str, ...] | list[str], tokens: int,
-                  chunk_tokens: int, *, inline: bool = False) -> bytes:
+                  chunk_tokens: int, *, inline: bool = False, holds: bool = True) -> bytes:
     """The record of transfer ``transfer_id`` in key space ``space``, naming chunks ``digests`` of a
     ``tokens``-token prompt in chunks of ``chunk_tokens`` (see :data:`RECORD_MAGIC`); with ``inline``, the
-    head of a record its one chunk's blob follows (:data:`INLINE_MAGIC`, padded)."""
+    head of a record its one chunk's blob follows (:data:`INLINE_MAGIC`, padded); without ``holds``, one
+    whose transfer holds none of them (:data:`SHARED_MAGIC`)."""
     space_raw, id_raw = space.encode(), transfer_id.encode()
-    magic = INLINE_MAGIC if inline else RECORD_MAGIC
+    magic = INLINE_MAGIC if inline else RECORD_MAGIC if holds else SHARED_MAGIC
     body = b"".join((_RECORD_HEAD.pack(magic, tokens, chunk_tokens, len(digests), len(space_raw),
                                        len(id_raw)), space_raw, id_raw, bytes.fromhex("".join(digests))))
     record = body + _RECORD_SUM.pack(xxhash.xxh3_64_intdigest(body))
@@ -402,8 +439,9 @@ def parse_record(record: bytes | bytearray, transfer_id: str, space: str) -> Rec
     raises :class:`~kvredis.errors.CodecError` for any other bytes. The chunk a small transfer's record
     carries is not checked here (:meth:`ChunkStore.check` does, against the reader's plan)."""
     magic = bytes(record[:len(RECORD_MAGIC)])
-    if magic in (RECORD_MAGIC, INLINE_MAGIC):
-        return _parse_raw_record(record, transfer_id, space, inline=magic == INLINE_MAGIC)
+    if magic in (RECORD_MAGIC, INLINE_MAGIC, SHARED_MAGIC):
+        parsed = _parse_raw_record(record, transfer_id, space, inline=magic == INLINE_MAGIC)
+        return Record(parsed.digests, parsed.inline, holds=magic != SHARED_MAGIC)
     # A record as kvredis wrote it before (a codec blob): a prefill not yet upgraded.
     tensors, meta = codec.decode(record, max_payload_bytes=_MAX_RECORD_BYTES)
     if (meta.get("kind") != RECORD_KIND or meta.get("space") != space or meta.get("id") != transfer_id

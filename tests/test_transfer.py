@@ -471,3 +471,124 @@ def test_a_small_save_that_fails_leaves_nothing(make_transfers, monkeypatch: pyt
         transfers.save(plan, prompt_pages(20), transfer_id=transfer)
     assert keys_left(transfers) == []
     assert transfers.take(plan, 0, 19, FORMAT, transfer_id=transfer).cause == "late"
+
+
+# -- reuse: chunks stay for any later reader ---------------------------------------------------------------
+
+
+@pytest.fixture
+def make_shared(make_buffer: Callable[..., RedisLookupBuffer]) -> Callable[..., Transfers]:
+    """Transfers in reuse mode (a shared prefix cache), or in transfer mode over the same key space."""
+    buffers: dict[str, RedisLookupBuffer] = {}
+
+    def make(reuse: bool = True, pop_timeout_s: float = 2.0, ttl_ms: int = 60_000) -> Transfers:
+        buffer = buffers.setdefault("one", make_buffer(pop_timeout_s=pop_timeout_s))
+        return Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=CHUNK, block_size=BLOCK,
+                         ttl_ms=ttl_ms, pop_timeout_s=pop_timeout_s, max_chunk_bytes=1 << 20, reuse=reuse)
+    return make
+
+
+def chunk_keys_of(transfers: Transfers, plan) -> list[str]:
+    return [transfers.chunks.keys.chunk(digest) for digest in plan.digests]
+
+
+def test_in_reuse_mode_a_taken_transfer_leaves_its_chunks_and_nothing_held(make_shared) -> None:
+    transfers = make_shared()
+    plan = transfers.plan(list(range(100)))
+    transfer = new_entry_id()
+    assert transfers.save(plan, prompt_pages(100), transfer_id=transfer).written == 4
+    taken = transfers.take(plan, 48, 99, FORMAT, transfer_id=transfer)
+    assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), prompt_pages(100)[:, 2:])
+    assert sorted(keys_left(transfers)) == sorted(chunk_keys_of(transfers, plan))  # no record, no holders
+    # Any later reader, with no announcement, loads the stored prefix; it stays.
+    again = transfers.take(plan, 0, 99, FORMAT)
+    assert again.cause == "hit" and len(again.chunks) == 4
+    assert transfers.chunks.stored_prefix(plan.digests) == 4
+
+
+def test_in_reuse_mode_the_next_turn_writes_only_its_new_chunks(make_shared) -> None:
+    transfers = make_shared()
+    first = transfers.plan(list(range(64)))
+    transfers.save(first, prompt_pages(64), transfer_id=new_entry_id())
+    second = transfers.plan([*range(64), *range(900, 950)])
+    saved = transfers.save(second, prompt_pages(114, seed=1), transfer_id=new_entry_id())
+    assert (saved.written, saved.present) == (2, 2)
+    saved = transfers.save(second, prompt_pages(114, seed=1))  # the same prompt again: nothing written
+    assert (saved.written, saved.present, saved.nbytes) == (0, 4, 0)
+
+
+def test_in_reuse_mode_a_use_restarts_the_ttl_of_the_chunks_read_and_those_before(make_shared) -> None:
+    transfers = make_shared()
+    plan = transfers.plan(list(range(100)))
+    transfers.save(plan, prompt_pages(100))
+    client = transfers.store.redis
+    keys = chunk_keys_of(transfers, plan)
+    for key in keys:
+        client.pexpire(key, 5_000)
+    transfers.take(plan, 70, 99, FORMAT)  # reads chunks 2 and 3; 0 and 1 are its prefix
+    assert all(client.pttl(key) > 50_000 for key in keys)
+    for key in keys:
+        client.pexpire(key, 5_000)
+    transfers.save(plan, prompt_pages(100))  # sent again: present, so kept longer
+    assert all(client.pttl(key) > 50_000 for key in keys)
+
+
+def test_a_prompts_later_chunks_expire_before_its_earlier_ones(make_shared) -> None:
+    """What an evicting Redis (``volatile-ttl``) takes first: a prefix is worth more than its suffix."""
+    transfers = make_shared(ttl_ms=3_600_000)
+    plan = transfers.plan(list(range(100)))
+    transfers.save(plan, prompt_pages(100))
+    ttls = [transfers.store.redis.pttl(key) for key in chunk_keys_of(transfers, plan)]
+    assert ttls == sorted(ttls, reverse=True) and len(set(ttls)) == 4, ttls
+    assert min(ttls) >= 0.75 * 3_600_000 - 1_000
+    assert transfers.chunks.ttl_at(5_000) == transfers.chunks.ttl_at(1_024) >= 0.75 * 3_600_000
+
+
+def test_a_stored_prefix_ends_at_an_evicted_chunk(make_shared) -> None:
+    transfers = make_shared()
+    plan = transfers.plan(list(range(100)))
+    transfers.save(plan, prompt_pages(100))
+    transfers.store.delete([chunk_keys_of(transfers, plan)[1]])  # evicted
+    assert transfers.chunks.stored_prefix(plan.digests) == 1
+    taken = transfers.take(plan, 0, 99, FORMAT)
+    assert (taken.cause, len(taken.chunks), taken.stop(plan)) == ("absent", 1, 32)
+
+
+def test_in_reuse_mode_a_discarded_transfer_leaves_its_chunks(make_shared) -> None:
+    transfers = make_shared()
+    plan = transfers.plan(list(range(40)))
+    transfer = new_entry_id()
+    transfers.save(plan, prompt_pages(40), transfer_id=transfer)
+    assert transfers.discard(transfer)
+    assert sorted(keys_left(transfers)) == sorted(chunk_keys_of(transfers, plan))
+
+
+def test_a_reader_in_transfer_mode_never_deletes_shared_chunks(make_shared) -> None:
+    """A decode still in transfer mode behind a prefill in reuse mode releases holds the chunks do not have:
+    they stay for other readers."""
+    shared, transfer_mode = make_shared(), make_shared(reuse=False)
+    plan = shared.plan(list(range(100)))
+    transfer = new_entry_id()
+    shared.save(plan, prompt_pages(100), transfer_id=transfer)
+    taken = transfer_mode.take(plan, 0, 99, FORMAT, transfer_id=transfer)
+    assert taken.cause == "hit" and len(taken.chunks) == 4
+    assert sorted(keys_left(shared)) == sorted(chunk_keys_of(shared, plan))
+
+
+def test_a_reader_in_reuse_mode_releases_what_a_transfer_mode_prefill_held(make_shared) -> None:
+    transfer_mode, shared = make_shared(reuse=False), make_shared()
+    plan = shared.plan(list(range(100)))
+    transfer = new_entry_id()
+    transfer_mode.save(plan, prompt_pages(100), transfer_id=transfer)
+    taken = shared.take(plan, 0, 99, FORMAT, transfer_id=transfer)
+    assert taken.cause == "hit" and len(taken.chunks) == 4
+    assert keys_left(shared) == []  # the prefill's transfer held them; its release was the last
+
+
+def test_in_reuse_mode_a_decode_that_lacks_nothing_takes_the_record_only(make_shared) -> None:
+    transfers = make_shared()
+    plan = transfers.plan(list(range(40)))
+    transfer = new_entry_id()
+    transfers.save(plan, prompt_pages(40), transfer_id=transfer)
+    assert (transfers.take(plan, 40, 40, FORMAT, transfer_id=transfer).cause) == "hit"
+    assert sorted(keys_left(transfers)) == sorted(chunk_keys_of(transfers, plan))

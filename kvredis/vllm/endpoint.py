@@ -49,7 +49,7 @@ class Endpoint:
         transfers = Transfers(
             store, keyspace.prefix, chunk_tokens=chunk_tokens, block_size=block_size,
             ttl_ms=int(config.ttl_s * 1000), pop_timeout_s=config.pop_timeout_s,
-            max_chunk_bytes=config.max_entry_bytes, checksum=config.checksum)
+            max_chunk_bytes=config.max_entry_bytes, checksum=config.checksum, reuse=config.reuse)
         return cls(config, identity, keyspace, store, transfers, Metrics(config.namespace), Counts(),
                    block_size)
 

@@ -66,6 +66,7 @@ class _RequestState:
     transfer_params: bool = False  # the request carried kv_transfer_params (a proxy's, or a client's own)
     external_stop: int = 0  # the last lookup's answer: positions up to this one can be loaded
     plan: ChunkPlan | None = None  # the prompt's chunks, hashed at its first lookup
+    counted: bool = False  # its lookup is in the counters (vLLM may ask again while the request waits)
 
 
 class KVRedisScheduler:
@@ -79,6 +80,8 @@ class KVRedisScheduler:
         self.counts = endpoint.counts
         self._producer = producer
         self._consumer = consumer
+        # A shared prefix cache (reuse): any engine, a prefill too, loads what Redis holds of a prompt.
+        self._loads = consumer or self.config.reuse
         self._kv_layers = kv_layers
         self._multimodal_hashed = multimodal_hashed
         self._lookups_paused_until = 0.0
@@ -104,7 +107,7 @@ class KVRedisScheduler:
         """Tokens loadable from Redis beyond the local hit: up to ``len(prompt) - 1`` if announced, else up
         to the end of the stored chunks."""
         state = self._state_of(request)
-        if not self._consumer or request.request_id in self._loaded_once or state.unsupported:
+        if not self._loads or request.request_id in self._loaded_once or state.unsupported:
             return 0, False
         tokens = token_list(request.prompt_token_ids)
         if not tokens:
@@ -129,7 +132,12 @@ class KVRedisScheduler:
                                "prompts up for %g s): %s", request.request_id, _LOOKUP_PAUSE_S, exc)
                 return 0, False
             # Chunks found without an announcement: a prefix of the prompt, maybe all of it.
-            loadable = min(loadable, stored * self.transfers.chunk_tokens)
+            found = min(loadable, stored * self.transfers.chunk_tokens)
+            if not state.counted:
+                state.counted = True
+                self.counts.add(lookup_tokens=loadable - num_computed_tokens,
+                                found_tokens=max(found - num_computed_tokens, 0))
+            loadable = found
             if loadable <= num_computed_tokens:
                 return 0, False
         state.external_stop = loadable
@@ -256,9 +264,11 @@ class KVRedisScheduler:
             # A one-token prompt has nothing a decoder could load (it computes the last token itself); a
             # request already saved comes back here when vLLM 0.34 resumes it after preemption.
             state = self._requests.get(new.req_id)
-            if (new.prompt_token_ids is None or len(new.prompt_token_ids) <= 1
-                    or new.req_id in self._loaded_once or new.req_id in self._saved
-                    or state is None or state.unsupported):
+            # A prompt this engine loaded is in Redis already, but in reuse mode only its stored prefix:
+            # the rest is saved (what Redis holds is not written again).
+            loaded = new.req_id in self._loaded_once and not self.config.reuse
+            if (new.prompt_token_ids is None or len(new.prompt_token_ids) <= 1 or loaded
+                    or new.req_id in self._saved or state is None or state.unsupported):
                 continue
             if state.remote_decode or self.config.store_all_prompts:
                 self._stored_any = True

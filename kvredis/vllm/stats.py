@@ -21,6 +21,8 @@ STATS = {
     "saved_tokens": "Prompt tokens whose KV was stored in Redis",
     "save_failures": "Prompts whose KV could not be stored in Redis",
     "lookup_errors": "Scheduler lookups in Redis that failed (Redis down or slow)",
+    "lookup_tokens": "Prompt tokens the scheduler looked up in Redis (beyond its own prefix cache's hit)",
+    "found_tokens": "Prompt tokens of those looked up that Redis held (a stored prefix)",
     "skipped_requests": "Requests neither saved nor loaded (prompt embeddings, or announced by a prefill "
                         "engine configured differently)",
     "discarded_entries": "Announced entries deleted unread because the decode computed the prompt itself",
