@@ -32,6 +32,7 @@ EXPECTED_DEFAULTS = {
     "tls_ca_file": None,
     "tls_cert_file": None,
     "tls_key_file": None,
+    "reuse": False,
     "store_all_prompts": False,
 }
 
@@ -51,6 +52,7 @@ ENV_CASES = {
     "checksum": ("false", False),
     "username": ("alice", "alice"),
     "password": ("hunter2", "hunter2"),
+    "reuse": ("on", True),
 }
 
 

@@ -270,7 +270,8 @@ class KVRedisScheduler:
             if (new.prompt_token_ids is None or len(new.prompt_token_ids) <= 1 or loaded
                     or new.req_id in self._saved or state is None or state.unsupported):
                 continue
-            if state.remote_decode or self.config.store_all_prompts:
+            # A shared prefix cache (reuse) keeps every prompt an engine prefills, for any later request.
+            if state.remote_decode or self.config.store_all_prompts or self.config.reuse:
                 self._stored_any = True
                 self._prefills[new.req_id] = _Prefill(
                     token_list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens),

@@ -1245,3 +1245,60 @@ def test_no_exception_escapes_a_load_without_its_blocks_reported(make_engine, mo
         client = redis.Redis.from_url(consumer.redis_url)
         client.delete(*left)
         client.close()
+
+
+# -- reuse: a shared prefix cache (issue 23) --------------------------------------------------------------
+
+
+def test_in_reuse_mode_another_prefill_loads_the_stored_prefix_and_writes_only_the_rest(make_engine) -> None:
+    """Two prefill instances and a decode, all in reuse mode: the second prefill finds the first one's
+    chunks of a common prefix, loads them instead of computing them (its pages are the first prefill's) and
+    writes only its new chunks; its decode loads what it lacks; the chunks stay, nothing else does."""
+    first, second = make_engine("kv_producer", reuse=True), make_engine("kv_producer", reuse=True)
+    decode = make_engine("kv_consumer", reuse=True)
+    shared = prompt_of(300, seed=95)
+    first.add("a", shared, max_tokens=1)  # no decode behind it: in reuse mode it is stored all the same
+    assert first.finish("a").kv_transfer_params is None
+    first.wait_saved()
+    first.assert_empty()
+    assert first.stats["written_chunks"] == 5  # positions 0..298: four whole chunks of 64, one of 43
+    prompt = shared + prompt_of(120, seed=96)
+    params = second.produce("b", prompt)
+    stored = 4 * 64  # the short fifth chunk of the first prompt is not a chunk of this one
+    assert second.new_reqs["b"].num_computed_tokens == stored  # loaded, not computed
+    assert sum(second.scheduled["b"]) == len(prompt) - stored
+    blocks = torch.tensor(second.new_reqs["b"].block_ids[0][:stored // BLOCK_SIZE])  # freed, not reused yet
+    for name in LAYERS:
+        assert same_bits(second.layers[name][blocks], first.snapshots["a"][name][:stored // BLOCK_SIZE])
+    second.assert_empty()
+    assert second.stats["loaded_tokens"] == stored and second.stats["found_tokens"] == stored
+    assert second.stats["lookup_tokens"] == len(prompt) - 1
+    assert (second.stats["present_chunks"], second.stats["written_chunks"]) == (4, 3)  # 256..418 new
+    decode.add("c", prompt, params=params)
+    decode.run(lambda: "c" in decode.new_reqs)
+    assert decode.new_reqs["c"].num_computed_tokens == len(prompt) - 1
+    assert_pages_moved(second, decode, "c", "b", stored // BLOCK_SIZE, -(-(len(prompt) - 1) // BLOCK_SIZE)
+                       - stored // BLOCK_SIZE)
+    assert_pages_moved(first, decode, "c", "a", 0, stored // BLOCK_SIZE)
+    decode.finish("c")
+    decode.assert_empty()
+    keys = redis_keys(decode.redis_url, decode.namespace)
+    assert len(keys) == 5 + 3 and all(b":c:" in key and not key.endswith(b":h") for key in keys), keys
+
+
+def test_in_reuse_mode_a_salted_request_finds_nothing_of_another_tenant(make_engine) -> None:
+    first, second = make_engine("kv_producer", reuse=True), make_engine("kv_producer", reuse=True)
+    prompt = prompt_of(200, seed=97)
+    first.add("a", prompt, max_tokens=1, cache_salt="tenant-a")
+    first.finish("a")
+    first.wait_saved()
+    first.assert_empty()
+    second.produce("b", prompt, cache_salt="tenant-b")
+    assert second.new_reqs["b"].num_computed_tokens == 0
+    second.assert_empty()
+    assert second.stats["found_tokens"] == 0 and second.stats["loaded_tokens"] == 0
+    assert second.stats["written_chunks"] == first.stats["written_chunks"] == 4  # each tenant its own
+    second.add("b2", prompt, max_tokens=1, cache_salt="tenant-a")  # the same tenant again: found, all of it
+    second.finish("b2")
+    assert second.new_reqs["b2"].num_computed_tokens == len(prompt) - 1
+    second.assert_empty()
