@@ -11,6 +11,7 @@ test VM). Pages have a Llama-3-8B shape (32 layers, 8 KV heads of 128, bf16: 128
 
     python scripts/bench_chunks.py                      # a redis-server of its own on a free port
     python scripts/bench_chunks.py --url redis://127.0.0.1:6379/0 --chunk-tokens 64
+    python scripts/bench_chunks.py --only chunks --sizes "128 MiB"   # one path alone (alternate processes)
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def main() -> int:
     parser.add_argument("--url", help="a Redis of yours (default: start one on a free port)")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--chunk-tokens", type=int, default=KVRedisConfig().chunk_tokens)
+    parser.add_argument("--only", choices=("entry", "chunks"),
+                        help="measure one path alone (the paths interact within one process)")
+    parser.add_argument("--sizes", default=",".join(sizes()),
+                        help="comma-separated, of: " + ", ".join(sizes()))
     args = parser.parse_args()
     with own_redis(args.url) as url:
         return measure(url, args)
@@ -66,9 +71,12 @@ def measure(url: str, args: argparse.Namespace) -> int:
               f"{load}, {os.cpu_count()} CPUs")
         print(f"whole-prompt round trip (write, then read), median of {args.repeat}; chunks of "
               f"{args.chunk_tokens} tokens")
-        print(f"  {'size':>8} {'entry ms':>9} {'(w + r)':>17} {'chunks ms':>10} {'(w + r)':>17} "
-              f"{'chunks/entry':>13}")
+        if args.only is None:
+            print(f"  {'size':>8} {'entry ms':>9} {'(w + r)':>17} {'chunks ms':>10} {'(w + r)':>17} "
+                  f"{'chunks/entry':>13}")
         for name, (tokens, page_format) in sizes().items():
+            if name not in args.sizes.split(","):
+                continue
             block = page_format.page_shape[1]
             chunk_tokens = max(args.chunk_tokens // block, 1) * block
             transfers = Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=chunk_tokens,
@@ -79,12 +87,15 @@ def measure(url: str, args: argparse.Namespace) -> int:
             entry: list[tuple[float, float]] = []
             chunked: list[tuple[float, float]] = []
             for _ in range(args.repeat):
-                started = time.perf_counter()
-                buffer.insert(torch.tensor(prompt), None, pages, None, None)
-                written = time.perf_counter()
-                got, cause = buffer.take(torch.tensor(prompt), None)
-                entry.append((written - started, time.perf_counter() - written))
-                assert got is not None and torch.equal(got[2], pages), cause
+                if args.only != "chunks":
+                    started = time.perf_counter()
+                    buffer.insert(torch.tensor(prompt), None, pages, None, None)
+                    written = time.perf_counter()
+                    got, cause = buffer.take(torch.tensor(prompt), None)
+                    entry.append((written - started, time.perf_counter() - written))
+                    assert got is not None and torch.equal(got[2], pages), cause
+                if args.only == "entry":
+                    continue
                 started = time.perf_counter()
                 plan = transfers.plan(prompt)
                 transfer = new_entry_id()
@@ -93,6 +104,11 @@ def measure(url: str, args: argparse.Namespace) -> int:
                 taken = transfers.take(plan, 0, tokens, page_format, transfer_id=transfer)
                 chunked.append((written - started, time.perf_counter() - written))
                 assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages)
+            if args.only is not None:
+                times = entry or chunked
+                alone = statistics.median(w + r for w, r in times)
+                print(f"  {name:>8} {args.only:>6} alone {1000 * alone:>9.2f} {_halves(times):>17}")
+                continue
             e, c = statistics.median(w + r for w, r in entry), statistics.median(w + r for w, r in chunked)
             print(f"  {name:>8} {1000 * e:>9.2f} {_halves(entry):>17} {1000 * c:>10.2f} "
                   f"{_halves(chunked):>17} {c / e:>13.2f}")
