@@ -134,3 +134,14 @@ class ChunkKeys:
     def pattern(self) -> str:
         """A SCAN pattern for every chunk key (and holders' set) under this prefix."""
         return f"{self.prefix}:c:*"
+
+
+def key_kind(key: str) -> str | None:
+    """What a key of the chunk store's shapes holds: ``"chunks"`` (:meth:`ChunkKeys.chunk`), ``"holders"``
+    (:meth:`ChunkKeys.holders`) or ``"transfers"`` (a transfer's record, ``<prefix>:t:{<id>}``:
+    :func:`kvredis.transfer.record_key`); ``None`` for any other key."""
+    if ":c:{" in key:
+        return "holders" if key.endswith("}:h") else "chunks"
+    if ":t:{" in key:
+        return "transfers"
+    return None

@@ -35,6 +35,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from kvredis import resp
+from kvredis.chunk_keys import key_kind
 from kvredis.config import KVRedisConfig, Topology
 from kvredis.errors import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
 from kvredis.redis_errors import REDIRECTS, raise_first_error, translate_errors, translated
@@ -590,10 +591,13 @@ class RedisStore:
                 yield key.decode() if isinstance(key, bytes) else str(key)
 
     def summary(self, pattern: str) -> dict[str, Any]:
-        """Keys, entries, pieces, bytes and TTLs of the keys matching ``pattern``, and server memory."""
+        """What the keys matching ``pattern`` hold: KV chunks (the vLLM connector's), transfer records and
+        holders' sets, the lookup buffer's entries and pieces, their bytes and TTLs, and server memory."""
         keys = list(self.scan(pattern))
-        entries = prompts = stored_bytes = 0
+        entries = prompts = stored_bytes = chunk_bytes = 0
         ttls: list[int] = []
+        chunk_ttls: list[int] = []
+        kinds = {"chunks": 0, "holders": 0, "transfers": 0}
         with self._guard(f"summarising {pattern}"):
             pipe = self.redis.pipeline(transaction=False)
             for key in keys:
@@ -601,7 +605,11 @@ class RedisStore:
                 pipe.pttl(key)
                 pipe.memory_usage(key)
             replies = pipe.execute()
-            queues = [key for i, key in enumerate(keys) if replies[3 * i] in (b"list", "list")]
+            names = [key.decode(errors="replace") if isinstance(key, bytes) else str(key) for key in keys]
+            # Lists that are not transfer records are the lookup buffer's queues of entries.
+            kind_of = [key_kind(name) for name in names]
+            queues = [key for i, key in enumerate(keys)
+                      if kind_of[i] is None and replies[3 * i] in (b"list", "list")]
             pipe = self.redis.pipeline(transaction=False)
             for key in queues:
                 pipe.llen(key)
@@ -612,6 +620,13 @@ class RedisStore:
                 stored_bytes += int(usage or 0)
                 if ttl is not None and int(ttl) >= 0:
                     ttls.append(int(ttl))
+                kind = kind_of[i]
+                if kind is not None:
+                    kinds[kind] += 1
+                if kind == "chunks":
+                    chunk_bytes += int(usage or 0)
+                    if ttl is not None and int(ttl) >= 0:
+                        chunk_ttls.append(int(ttl))
             if self.cluster:  # every primary's memory, summed (each holds part of the namespace)
                 per_node = self.redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
                 infos = list(per_node.values())
@@ -621,11 +636,17 @@ class RedisStore:
                                                               for info in infos}))
             else:
                 memory = self.redis.info("memory")
+        chunk_ttls.sort()
         return {
             "keys": len(keys),
+            **kinds,
+            "chunk_bytes": chunk_bytes,
+            "chunk_ttl_min_s": chunk_ttls[0] / 1000 if chunk_ttls else None,
+            "chunk_ttl_median_s": chunk_ttls[len(chunk_ttls) // 2] / 1000 if chunk_ttls else None,
+            "chunk_ttl_max_s": chunk_ttls[-1] / 1000 if chunk_ttls else None,
             "prompts": prompts,
             "entries": entries,
-            "pieces": len(keys) - prompts,
+            "pieces": len(keys) - prompts - sum(kinds.values()),
             "bytes": stored_bytes,
             "ttl_min_s": min(ttls) / 1000 if ttls else None,
             "ttl_max_s": max(ttls) / 1000 if ttls else None,
@@ -684,3 +705,4 @@ def _check_all(replies: list[Any], command: str) -> None:
     for reply in replies:
         if reply is not True and reply != b"OK":
             raise KVRedisError(f"{command} was refused: {reply!r}")
+

@@ -93,3 +93,41 @@ def test_demo_without_the_openai_client_says_so_before_starting_anything(tmp_pat
     assert demo.returncode == 1
     assert "kvredis demo needs the openai client" in demo.stderr and "kvredis[demo]" in demo.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_kvredis_stats_counts_chunks_records_and_holders_with_their_ttls(real_redis_url: str) -> None:
+    """``kvredis stats`` on a namespace holding one transfer in flight: its chunks (bytes, TTL spread), its
+    record and its chunks' holders' sets, as JSON an operator's script can read."""
+    import json
+    import uuid
+
+    import torch
+
+    from kvredis.chunk_store import PageFormat
+    from kvredis.client import RedisStore
+    from kvredis.config import KVRedisConfig
+    from kvredis.keys import new_entry_id
+    from kvredis.transfer import Transfers
+
+    namespace = "t-stats-" + uuid.uuid4().hex[:8]
+    config = KVRedisConfig.from_env({}, {"url": real_redis_url, "namespace": namespace})
+    store = RedisStore(config)
+    try:
+        transfers = Transfers(store, f"{namespace}:abc", chunk_tokens=16, block_size=16, ttl_ms=600_000,
+                              pop_timeout_s=1, max_chunk_bytes=1 << 20)
+        plan = transfers.plan(list(range(40)))  # three chunks, the last short
+        pages = torch.zeros(PageFormat(torch.float32, 2, (2, 16, 8)).shape(3))
+        transfers.save(plan, pages, transfer_id=new_entry_id())
+        shown = kvredis("stats", "--json",
+                        env={"KVREDIS_URL": real_redis_url, "KVREDIS_NAMESPACE": namespace})
+        out, err = shown.communicate(timeout=BOUND_S)
+        assert shown.returncode == 0, err
+        stats = json.loads(out)
+        assert (stats["keys"], stats["chunks"], stats["holders"], stats["transfers"]) == (7, 3, 3, 1)
+        assert [stats[name] for name in ("prompts", "entries", "pieces", "keys_without_ttl")] == [0] * 4
+        assert stats["chunk_bytes"] >= pages.numel() * 4
+        spread = [stats[f"chunk_ttl_{name}_s"] for name in ("min", "median", "max")]
+        assert 400 < spread[0] <= spread[1] <= spread[2] <= 600, spread
+    finally:
+        store.delete(list(store.scan(f"{namespace}:*")))
+        store.close()

@@ -1,0 +1,206 @@
+"""Redis as a shared prefix cache (issue 23, reuse mode): ``vllm serve`` engines behind ``kvredis proxy``.
+
+Two prefill instances, each behind a proxy of its own, share one decode and one Redis, all with
+``reuse``: a prefix one prefill stored is loaded by the other instead of computed, a conversation whose
+turns alternate between the instances loads each earlier turn, tenants under ``cache_salt`` share nothing,
+a prefix ends at an evicted chunk, and an emptied Redis costs only misses. A fourth engine computes alone
+with no connector: every answer must be its answer, token for token; the prefills' counters
+(``vllm:kvredis_*_total``) say what came from Redis. Prefix caching and a 64-token prefill budget are on
+everywhere. Chunks stay after use (that is the mode); records and holders' sets never do.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
+
+from engine_servers import (
+    Disaggregated,
+    Proxy,
+    Server,
+    kv_transfer_config,
+    prompt_of,
+    start_proxy,
+    start_redis,
+    start_server,
+    wait_counters,
+    wait_ready,
+)
+from redis_servers import wait_until
+
+from kvredis.chunk_keys import ChunkPlan
+from kvredis.config import KVRedisConfig
+from kvredis.tinymodel import prompt_text
+
+START_TIMEOUT_S = 600.0
+MAX_MODEL_LEN = 1024
+COUNTERS_BOUND_S = 90.0  # longer than this VM's freezes; a passing test never waits it out
+CHUNK = KVRedisConfig().chunk_tokens
+
+
+@dataclass
+class Shared(Disaggregated):
+    """``prefill`` and ``other`` (two prefill instances), ``decode``, the reference, a proxy for each."""
+
+    other: Server
+    reference: Server
+    proxy: Proxy
+    other_proxy: Proxy
+
+    def complete(self, where: Server | Proxy, prompt: list[int], **extra: Any) -> list[int]:
+        """A greedy completion's generated token IDs (the proxy's answer is the decode's)."""
+        import openai
+
+        client = openai.OpenAI(base_url=f"{where.url}/v1", api_key="unused", timeout=300.0, max_retries=0)
+        created = client.completions.create(
+            model=self.reference.model, prompt=prompt_text(prompt), max_tokens=6, temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
+        return list(created.choices[0].model_extra["token_ids"])
+
+    def assert_only_chunks_left(self) -> None:
+        """Chunks stay (reuse); every transfer's record was taken and nothing holds a chunk."""
+        wait_until(lambda: not [key for key in self.stored_keys() if b":t:" in key], COUNTERS_BOUND_S,
+                   "every transfer record taken")
+        keys = self.stored_keys()
+        assert keys and all(b":c:" in key and not key.endswith(b":h") for key in keys), keys[:5]
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    folder = tmp_path_factory.mktemp("reuse")
+    redis_server = start_redis()
+    namespace = "t-reuse-" + uuid.uuid4().hex[:10]
+    routine = ["--enable-prefix-caching", "--max-num-batched-tokens", "64"]
+
+    def kv_config(role: str) -> dict[str, Any]:
+        return kv_transfer_config(role, redis_server.url, namespace, reuse=True)
+
+    engines = [
+        start_server("prefill", tiny_model, folder, kv_config("kv_producer"), serve=True,
+                     max_model_len=MAX_MODEL_LEN, extra_args=routine),
+        start_server("decode", tiny_model, folder, kv_config("kv_consumer"), serve=True,
+                     max_model_len=MAX_MODEL_LEN, extra_args=routine),
+        start_server("prefill-2", tiny_model, folder, kv_config("kv_producer"), serve=True,
+                     max_model_len=MAX_MODEL_LEN, single_process=True, extra_args=routine),
+        start_server("reference", tiny_model, folder, None, single_process=True, serve=True,
+                     max_model_len=MAX_MODEL_LEN, extra_args=routine),
+    ]
+    proxies: list[Proxy] = []
+    try:
+        wait_ready(engines, START_TIMEOUT_S)
+        prefill, decode, other, reference = engines
+        proxies += [start_proxy(folder, "proxy", prefill.url, decode.url, redis_server.url),
+                    start_proxy(folder, "proxy-2", other.url, decode.url, redis_server.url)]
+        yield Shared(prefill, decode, redis_server, namespace, other, reference, *proxies)
+    finally:
+        for process in (*proxies, *engines):
+            process.stop()
+        redis_server.__exit__(None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def clean_slate(shared: Shared) -> Iterator[None]:
+    """Each test starts from an empty store (chunks stay in this mode: a test's must not serve the next)."""
+    shared.delete_keys()
+    yield
+    shared.delete_keys()
+
+
+def found(server: Server, before: dict[str, float], tokens: int) -> dict[str, int]:
+    """``server``'s counters since ``before``, once its lookups found ``tokens`` (or the bound passed)."""
+    return wait_counters(server, before, {"found_tokens": tokens, "saved_requests": 1},
+                         timeout_s=COUNTERS_BOUND_S)
+
+
+def test_a_second_prefill_instance_loads_the_prefix_the_first_stored(shared: Shared) -> None:
+    common = prompt_of(300, seed=700)
+    first, second = common + prompt_of(40, seed=701), common + prompt_of(50, seed=702)
+    want = [shared.complete(shared.reference, prompt) for prompt in (first, second)]
+    assert shared.complete(shared.proxy, first) == want[0]
+    before = shared.other.counters()
+    assert shared.complete(shared.other_proxy, second) == want[1]
+    stored = 300 // CHUNK * CHUNK  # the common prefix's whole chunks; the next one differs
+    delta = found(shared.other, before, stored)
+    assert delta.get("found_tokens") == stored and delta.get("loaded_tokens") == stored, delta
+    assert delta.get("present_chunks") == stored // CHUNK, delta  # not written again
+    assert "load_failures" not in delta and "lookup_errors" not in delta, delta
+    shared.assert_only_chunks_left()
+
+
+def test_a_conversation_alternating_between_instances_loads_each_earlier_turn(shared: Shared) -> None:
+    """Turn n on one instance, n+1 on the other: each prefill loads from Redis the earlier turns' chunks it
+    does not hold in its own prefix cache (those the other instance stored), and answers as the engine
+    alone does."""
+    prompt: list[int] = []
+    for turn in range(4):
+        prompt = prompt + prompt_of(90, seed=710 + turn)
+        want = shared.complete(shared.reference, prompt)
+        prefill, proxy = ((shared.prefill, shared.proxy) if turn % 2 == 0
+                          else (shared.other, shared.other_proxy))
+        before = prefill.counters()
+        got = shared.complete(proxy, prompt)
+        assert got == want, f"turn {turn + 1}"
+        delta = wait_counters(prefill, before, {"saved_requests": 1}, timeout_s=COUNTERS_BOUND_S)
+        assert "load_failures" not in delta and "lookup_errors" not in delta, (turn + 1, delta)
+        if turn:  # the other instance stored the turn before: whole chunks of it beyond this one's own cache
+            assert delta.get("loaded_tokens", 0) >= CHUNK, (turn + 1, delta)
+        prompt = prompt + prompt_of(6, seed=720 + turn)  # the answer's words (no special tokens)
+    shared.assert_only_chunks_left()
+
+
+def test_tenants_under_cache_salt_share_nothing(shared: Shared) -> None:
+    prompt = prompt_of(260, seed=725)
+    want = shared.complete(shared.reference, prompt)
+    assert shared.complete(shared.proxy, prompt, cache_salt="tenant-a") == want
+    before = shared.other.counters()
+    assert shared.complete(shared.other_proxy, prompt, cache_salt="tenant-b") == want
+    delta = wait_counters(shared.other, before, {"saved_requests": 1}, timeout_s=COUNTERS_BOUND_S)
+    assert "found_tokens" not in delta and "loaded_tokens" not in delta, delta
+    before = shared.other.counters()
+    assert shared.complete(shared.other_proxy, prompt, cache_salt="tenant-a") == want  # its own tenant's
+    stored = len(prompt) - 1  # the same prompt: every stored chunk, the short last one too
+    assert found(shared.other, before, stored).get("loaded_tokens") == stored
+    shared.assert_only_chunks_left()
+
+
+def test_a_prefix_ends_at_an_evicted_chunk(shared: Shared) -> None:
+    prompt = prompt_of(330, seed=730)
+    longer = prompt + prompt_of(40, seed=731)
+    want = shared.complete(shared.reference, longer)
+    shared.complete(shared.proxy, prompt)
+    shared.assert_only_chunks_left()
+    # The second of the prompt's chunks is evicted: a reader may use the first only.
+    keys = shared.stored_keys()
+    prefix = keys[0].decode().rsplit(":c:", 1)[0]
+    evicted = f"{prefix}:c:{{{ChunkPlan.of(prompt[:-1], CHUNK).digests[1]}}}"
+    client = shared.redis.client()
+    try:
+        assert client.delete(evicted) == 1
+    finally:
+        client.close()
+    before = shared.other.counters()
+    assert shared.complete(shared.other_proxy, longer) == want
+    delta = found(shared.other, before, CHUNK)
+    assert delta.get("found_tokens") == CHUNK and delta.get("loaded_tokens") == CHUNK, delta
+    shared.assert_only_chunks_left()
+
+
+def test_redis_restarted_empty_costs_misses_and_no_error(shared: Shared) -> None:
+    prompt = prompt_of(200, seed=740)
+    want = shared.complete(shared.reference, prompt)
+    assert shared.complete(shared.proxy, prompt) == want
+    shared.assert_only_chunks_left()
+    shared.redis.restart()  # nothing on disk: it comes back empty
+    before = shared.other.counters()
+    assert shared.complete(shared.other_proxy, prompt) == want
+    delta = wait_counters(shared.other, before, {"saved_requests": 1}, timeout_s=COUNTERS_BOUND_S)
+    assert "loaded_tokens" not in delta, delta
+    assert shared.complete(shared.proxy, prompt) == want  # stored again by the other instance: loaded
+    shared.assert_only_chunks_left()
