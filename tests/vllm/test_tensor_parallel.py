@@ -37,6 +37,7 @@ from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.config import KVRedisConfig
 from kvredis.tinymodel import write_tiny_llama
+from kvredis.transfer import parse_record
 
 TP = 2
 START_TIMEOUT_S = 300.0
@@ -50,11 +51,15 @@ class Sharded(Disaggregated):
         """The pages of the transfer whose record waits at ``record_key``, read without taking it."""
         client = self.redis.client()
         try:
-            chunks = [codec.decode(client.get(key), max_payload_bytes=1 << 30)[0][1]
-                      for key in self.transfer_chunks(record_key)]
+            prefix, braced = record_key.rsplit(":t:", 1)
+            record = parse_record(client.lindex(record_key, 0), braced.strip("{}"), prefix)
+            if record.inline is not None:  # a small transfer: its one chunk rides in the record
+                blobs = [bytes(record.inline)]
+            else:
+                blobs = [client.get(key) for key in self.transfer_chunks(record_key)]
         finally:
             client.close()
-        return torch.cat(chunks, dim=1)
+        return torch.cat([codec.decode(blob, max_payload_bytes=1 << 30)[0][1] for blob in blobs], dim=1)
 
     def computed_alone(self, prompt: list[int]) -> dict[str, Any]:
         """The decode engine's own answer, computed without Redis or its prefix cache."""
