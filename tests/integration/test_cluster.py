@@ -18,12 +18,14 @@ import pytest
 import redis
 import test_buffer
 import test_chunk_store
+import test_transfer
 import torch
 from redis.crc import key_slot
 from redis_servers import ClusterServers, free_port
 from test_buffer import assert_entry, identical, kv_entry, random_tensor
 from test_chunk_store import chunk_store  # noqa: F401 - the fixture
 from test_security import Certs, certs  # noqa: F401 - the fixture, for the TLS cluster
+from test_transfer import make_shared, make_transfers  # noqa: F401 - the fixtures
 
 from kvredis import KVRedisConnectionError, KVRedisError
 from kvredis.buffer import RedisLookupBuffer
@@ -42,6 +44,10 @@ globals().update(test_buffer.redis_backed_tests())
 # And the chunk store's: a prompt's chunks spread over slots, each chunk's scripts run in its own.
 globals().update({name: test for name, test in vars(test_chunk_store).items()
                   if name.startswith("test_") and "two_writers" not in name})
+# And transfers (both modes, small ones in their record): each step one round trip per slot, not one in all.
+# Those counting kvredis's own framed round trips are one server's.
+globals().update({name: test for name, test in vars(test_transfer).items()
+                  if name.startswith("test_") and "round_trip" not in name and "one_command" not in name})
 
 
 @pytest.fixture(params=["cluster"])
