@@ -135,8 +135,9 @@ class KVRedisScheduler:
             found = min(loadable, stored * self.transfers.chunk_tokens)
             if not state.counted:
                 state.counted = True
-                self.counts.add(lookup_tokens=loadable - num_computed_tokens,
-                                found_tokens=max(found - num_computed_tokens, 0))
+                amounts = {"lookup_tokens": loadable - num_computed_tokens,
+                           "found_tokens": max(found - num_computed_tokens, 0)}
+                self.counts.add(**{name: value for name, value in amounts.items() if value})
             loadable = found
             if loadable <= num_computed_tokens:
                 return 0, False
