@@ -17,7 +17,7 @@ is taken whole, as an entry was).
 
 A **small transfer** (one chunk of at most 256 KiB of pages) travels inside its record instead: the record,
 padded, then the chunk's blob, pushed in one transaction. Its take is the record's pop alone and it holds
-nothing to release: the commands of an entry of the lookup buffer, not the chunk path's nine. Both sides
+nothing to release: an entry's commands (four to save, one to take), not the chunk path's 8 and 3. Both sides
 decide so from the prompt and the page format; a take that finds the other kind of record than it expected
 handles it all the same.
 
