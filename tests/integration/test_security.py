@@ -380,13 +380,14 @@ def test_a_user_lacking_any_command_of_the_rule_fails_clearly(acl_server, namesp
 
 
 CHUNK_COMMANDS = ("exists", "evalsha", "script|load", "set", "sadd", "srem", "scard", "pexpire", "get", "del",
-                  "strlen", "getrange", "rpush", "multi", "exec", "blpop")
+                  "strlen", "getrange", "getex", "rpush", "multi", "exec", "blpop")
 """The commands the vLLM connector's chunk store sends, its scripts' included (ACL checks those too);
 README's rule for connector users lists exactly these."""
 
 
 def transfer_round_trip(url: str, namespace: str, admin: Any) -> None:
-    """A transfer saved, taken and released; another saved and discarded: nothing left."""
+    """A transfer saved, taken and released; another saved and discarded; a small one (in its record) saved
+    and taken: nothing left. Then in reuse mode a prompt saved, taken and left for any reader."""
     # Pieces of 4 KiB: chunks of 16 KiB are read in pieces (STRLEN, GETRANGE), chunks of 1 KiB with one GET.
     config = KVRedisConfig.from_env({}, {"url": url, "namespace": namespace, "pop_timeout_s": 1.0,
                                          "socket_timeout_s": 2.0, "chunk_bytes": 4096})
@@ -404,7 +405,21 @@ def transfer_round_trip(url: str, namespace: str, admin: Any) -> None:
             assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages)
             transfers.save(plan, pages, transfer_id=(second := new_entry_id()))
             assert transfers.discard(second)
+        small = transfers.plan(list(range(10)))
+        transfers.save(small, torch.ones(2, 1, 2, 16, 4), transfer_id=(third := new_entry_id()))
+        page_format = PageFormat(torch.float32, 2, (2, 16, 4))
+        assert transfers.take(small, 0, 9, page_format, transfer_id=third).cause == "hit"
         assert list(admin.scan_iter(match=f"{namespace}:*")) == []
+        shared = Transfers(store, f"{namespace}:0123456789abcdef", chunk_tokens=16, block_size=16,
+                           ttl_ms=60_000, pop_timeout_s=1.0, max_chunk_bytes=1 << 20, reuse=True)
+        pages = torch.randn(2, 3, 2, 16, 4)  # chunks of 1 KiB: each read with one GETEX
+        shared.save(plan, pages, transfer_id=(fourth := new_entry_id()))
+        taken = shared.take(plan, 20, 39, page_format, transfer_id=fourth)
+        assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages[:, 1:])
+        assert shared.save(plan, pages).present == 3
+        left = list(admin.scan_iter(match=f"{namespace}:*"))
+        assert len(left) == 3  # the chunks, for any reader
+        admin.delete(*left)
     finally:
         store.close()
 
