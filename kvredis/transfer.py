@@ -77,6 +77,8 @@ _PROBE_ABOVE_BYTES = 256 << 10
 # the chunk path's commands and their framing cost 10-20% of a round trip; the record is popped into memory
 # of its own, not received in place, which from about this size on costs more than it saves.
 _INLINE_MAX_BYTES = 256 << 10
+_NOT_POPPED = object()
+"""``Transfers._take_stepwise``'s default: the record is still to be popped."""
 
 
 @dataclass
@@ -275,27 +277,15 @@ class Transfers:
 
     def _take_inline(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
                      transfer_id: str) -> Taken:
-        """:meth:`take` of a small transfer: its record's pop, the chunk it carries checked (a record that
-        carries none, from a prefill that judged otherwise, is taken as :meth:`_take_stepwise` does)."""
-        record: Any
-        try:
-            record = self.store.pop_record(self.record_key(transfer_id), self.pop_timeout_s)
-        except WrongTypeError as exc:
-            record = exc
+        """:meth:`take` of a small transfer: its record's pop, the chunk it carries checked (any other
+        record, one carrying none from a prefill that judged otherwise say, is taken as
+        :meth:`_take_stepwise` does)."""
+        record = self._pop_record(transfer_id)
         expected = self._record(plan, transfer_id, inline=True)
         if isinstance(record, (bytes, bytearray)) and record.startswith(expected):
             # The record this save pushed, byte for byte: the chunk follows it.
             return self._inline_taken(plan, indexes, page_format, memoryview(record)[len(expected):])
-        cause, checked = self._checked_record(plan, transfer_id, record)
-        if cause != "hit":
-            return Taken(indexes.start if indexes else 0, cause=cause)
-        assert checked is not None
-        if checked.inline is None:
-            try:
-                return self._read_leading(plan, indexes, page_format)
-            finally:
-                self._release_quietly(checked.held, transfer_id)
-        return self._inline_taken(plan, indexes, page_format, checked.inline)
+        return self._take_stepwise(plan, indexes, page_format, transfer_id, popped=record)
 
     def _inline_taken(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
                       blob: memoryview) -> Taken:
@@ -308,17 +298,19 @@ class Transfers:
         return _leading(indexes, [read])
 
     def _take_stepwise(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
-                       transfer_id: str | None) -> Taken:
-        """:meth:`take` a round trip at a time: the record, then (if it fits) the chunks, then the release."""
+                       transfer_id: str | None, popped: Any = _NOT_POPPED) -> Taken:
+        """:meth:`take` a round trip at a time: the record (unless ``popped`` already), then (if it fits) the
+        chunks, then the release."""
         held: tuple[str, ...] = ()
         if transfer_id is not None:
-            cause, record = self._take_record(plan, transfer_id)
+            record = self._pop_record(transfer_id) if popped is _NOT_POPPED else popped
+            cause, checked = self._checked_record(plan, transfer_id, record)
             if cause != "hit":
                 return Taken(indexes.start if indexes else 0, cause=cause)
-            assert record is not None
-            if record.inline is not None:
-                return self._inline_taken(plan, indexes, page_format, record.inline)
-            held = record.held
+            assert checked is not None
+            if checked.inline is not None:
+                return self._inline_taken(plan, indexes, page_format, checked.inline)
+            held = checked.held
         try:
             return self._read_leading(plan, indexes, page_format)
         finally:
@@ -328,18 +320,17 @@ class Transfers:
             if done:
                 self._release_quietly(done, transfer_id or NOBODY)
 
-    def _take_record(self, plan: ChunkPlan, transfer_id: str) -> tuple[str, Record | None]:
-        """Why the transfer's record does not fit ``plan`` (or ``"hit"``), and the record."""
-        record: Any
+    def _pop_record(self, transfer_id: str) -> Any:
+        """The transfer's record, waiting up to the pop timeout: its bytes, ``None`` if none came, or the
+        error of a key holding another type."""
         try:
-            record = self.store.pop_record(self.record_key(transfer_id), self.pop_timeout_s)
+            return self.store.pop_record(self.record_key(transfer_id), self.pop_timeout_s)
         except WrongTypeError as exc:
-            record = exc
-        return self._checked_record(plan, transfer_id, record)
+            return exc
 
     def _checked_record(self, plan: ChunkPlan, transfer_id: str, record: Any) -> tuple[str, Record | None]:
-        """:meth:`_take_record` of a record taken already (``None``: none came; an error: the list's key holds
-        another type, and is deleted)."""
+        """Why a popped record (:meth:`_pop_record`) does not fit ``plan`` (or ``"hit"``), and the record
+        (``None``: none came; an error: the list's key holds another type, and is deleted)."""
         if isinstance(record, Exception):
             self.chunks.delete_keys([self.record_key(transfer_id)])
             return "foreign", None
