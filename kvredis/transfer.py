@@ -172,9 +172,13 @@ class Transfers:
         if self._inline(plan, transfer_id, nbytes):
             assert transfer_id is not None
             return self._save_inline(plan, pages, transfer_id)
+        # Reuse: nothing is held; the chunks present have their TTL restarted (a prompt sent again keeps
+        # them), and the record, if any, holds nothing either.
+        holder = None if self.reuse else transfer_id
         if self.reuse:
-            return self._save_shared(plan, pages, per_chunk, transfer_id)
-        if nbytes <= _PROBE_ABOVE_BYTES:
+            present = self.chunks.present(plan.digests, refresh=True)
+            missing = [index for index, there in enumerate(present) if not there]
+        elif nbytes <= _PROBE_ABOVE_BYTES:
             missing = list(range(plan.num_chunks))
         else:
             present = self.chunks.present(plan.digests, holder=transfer_id)
@@ -182,35 +186,17 @@ class Transfers:
         chunks = [(index, pages[:, index * per_chunk:(index + 1) * per_chunk]) for index in missing]
         record = None
         if transfer_id is not None:
-            record = (self.record_key(transfer_id), self._record(plan, transfer_id))
+            record = (self.record_key(transfer_id), self._record(plan, transfer_id, holds=holder is not None))
         try:
             # The record goes last, in the same round trip on one server: Redis runs the commands in order.
-            written = self.chunks.write(plan, chunks, holder=transfer_id, record=record)
+            written = self.chunks.write(plan, chunks, holder=holder, record=record)
         except BaseException:
             if transfer_id is not None:
-                self._release_quietly(plan.digests, transfer_id)
+                if holder is not None:
+                    self._release_quietly(plan.digests, holder)
                 # A record pushed after a chunk's write failed names a chunk that is not there: not left to
                 # be taken (a decode that took it meanwhile finds that chunk missing: a miss, never bytes).
                 self.chunks.delete_keys([self.record_key(transfer_id)])
-            raise
-        count = sum(1 for nbytes in written if nbytes)
-        return Saved(count, plan.num_chunks - count, sum(written))
-
-    def _save_shared(self, plan: ChunkPlan, pages: torch.Tensor, per_chunk: int,
-                     transfer_id: str | None) -> Saved:
-        """:meth:`save` in reuse mode: the chunks present have their TTL restarted (a prompt sent again keeps
-        them), the others are written; nothing is held. The record, if any, holds nothing either."""
-        present = self.chunks.present(plan.digests, refresh=True)
-        chunks = [(index, pages[:, index * per_chunk:(index + 1) * per_chunk])
-                  for index, there in enumerate(present) if not there]
-        record = None
-        if transfer_id is not None:
-            record = (self.record_key(transfer_id), self._record(plan, transfer_id, holds=False))
-        try:
-            written = self.chunks.write(plan, chunks, record=record)
-        except BaseException:
-            if record is not None:
-                self.chunks.delete_keys([record[0]])  # no half-announced transfer: the decode computes
             raise
         count = sum(1 for nbytes in written if nbytes)
         return Saved(count, plan.num_chunks - count, sum(written))
