@@ -3,7 +3,9 @@ and what a prefill announces to its decode.
 
 On a consumer (decode), a request is loadable when its prefill announced a transfer that fits this engine
 (:mod:`kvredis.announcement`), or when Redis holds the first chunks of its prompt (one bounded lookup,
-:meth:`kvredis.chunk_store.ChunkStore.stored_prefix`). It reports the tokens beyond its own prefix-cache hit
+:meth:`kvredis.chunk_store.ChunkStore.stored_prefix`, on a thread of its own: a lookup Redis has not answered
+within the step's short wait is answered "not yet", which vLLM's scheduler takes as "ask again next step",
+so a slow Redis never holds the engine's step). It reports the tokens beyond its own prefix-cache hit
 up to the stored ones (never the last: vLLM computes it), and plans their load into the blocks vLLM
 allocated. An announced transfer it will not load (the prefix cache covers the prompt, the request ended
 first) is released at once. On a producer (prefill), a prompt whose request asks for a remote decode is
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +39,11 @@ logger = logging.getLogger("kvredis.vllm")
 
 _LOOKUP_PAUSE_S = 10.0
 """After a failed lookup, the scheduler computes prompts without asking Redis for this long."""
+_STEP_LOOKUP_WAIT_S = 0.005
+"""How long one scheduler step waits for Redis's answers to its lookups, all requests together. A lookup takes
+0.03-0.15 ms on one host (docs/benchmarks.md), a network round trip more; one still out after this is
+answered "not yet" and asked about again at the next step, while it runs on (up to the lookup timeout)."""
+_NOT_YET = object()
 
 
 @dataclass
@@ -66,6 +75,7 @@ class _RequestState:
     transfer_params: bool = False  # the request carried kv_transfer_params (a proxy's, or a client's own)
     external_stop: int = 0  # the last lookup's answer: positions up to this one can be loaded
     plan: ChunkPlan | None = None  # the prompt's chunks, hashed at its first lookup
+    lookup: Future[int | None] | None = None  # a lookup Redis has not answered yet
     counted: bool = False  # its lookup is in the counters (vLLM may ask again while the request waits)
 
 
@@ -85,6 +95,9 @@ class KVRedisScheduler:
         self._kv_layers = kv_layers
         self._multimodal_hashed = multimodal_hashed
         self._lookups_paused_until = 0.0
+        # One thread asks Redis; the scheduler waits for it at most _STEP_LOOKUP_WAIT_S a step.
+        self._lookup_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvredis-lookup")
+        self._step_wait_left = _STEP_LOOKUP_WAIT_S
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, TransferSpec] = {}
         self._loading: set[str] = set()
@@ -119,18 +132,16 @@ class KVRedisScheduler:
         if announcement is not None and announcement.differences:
             return 0, False
         if announcement is None:
-            if time.monotonic() < self._lookups_paused_until:
-                return 0, False
-            try:
-                plan = self._plan_of(state, tokens)
-                stored = self.transfers.chunks.stored_prefix(plan.digests, lookup=True)
-            except KVRedisError as exc:
-                self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
-                self.endpoint.metrics.miss("error")
-                self.counts.add(lookup_errors=1)
-                logger.warning("request %s: cannot look up its KV in Redis, computing it (and not looking "
-                               "prompts up for %g s): %s", request.request_id, _LOOKUP_PAUSE_S, exc)
-                return 0, False
+            if state.lookup is None:
+                if time.monotonic() < self._lookups_paused_until:
+                    return 0, False
+                state.lookup = self._lookup_thread.submit(self._look_up, request.request_id, state, tokens)
+            stored = self._answer(state)
+            if stored is _NOT_YET:
+                return None, False  # vLLM skips the request this step and asks again at the next
+            if stored is None:
+                return 0, False  # the lookup failed or was skipped: nothing is stored, as far as we know
+            assert isinstance(stored, int)
             # Chunks found without an announcement: a prefix of the prompt, maybe all of it.
             found = min(loadable, stored * self.transfers.chunk_tokens)
             if not state.counted:
@@ -143,6 +154,37 @@ class KVRedisScheduler:
                 return 0, False
         state.external_stop = loadable
         return loadable - num_computed_tokens, True
+
+    def _look_up(self, req_id: str, state: _RequestState, tokens: list[int]) -> int | None:
+        """How many of the prompt's chunks Redis holds from the first (the lookup thread's task); ``None``
+        if lookups are paused or this one failed (counted, warned about, and lookups paused)."""
+        if time.monotonic() < self._lookups_paused_until:
+            return None  # queued behind the lookup that failed
+        try:
+            plan = self._plan_of(state, tokens)
+            return self.transfers.chunks.stored_prefix(plan.digests, lookup=True)
+        except Exception as exc:  # any failure means "nothing stored", never a dead engine
+            self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
+            self.endpoint.metrics.miss("error")
+            self.counts.add(lookup_errors=1)
+            logger.warning("request %s: cannot look up its KV in Redis, computing it (and not looking "
+                           "prompts up for %g s): %s", req_id, _LOOKUP_PAUSE_S, exc,
+                           exc_info=not isinstance(exc, KVRedisError))
+            return None
+
+    def _answer(self, state: _RequestState) -> object:
+        """The request's lookup's answer, waited for while the step's wait lasts; ``_NOT_YET`` if Redis has
+        not answered by then (the lookup goes on)."""
+        lookup = state.lookup
+        assert lookup is not None
+        if not lookup.done() and self._step_wait_left > 0:
+            started = time.monotonic()
+            wait_for((lookup,), timeout=self._step_wait_left)
+            self._step_wait_left -= time.monotonic() - started
+        if not lookup.done():
+            return _NOT_YET
+        state.lookup = None  # asked again later (the request may wait for room), Redis is asked again
+        return lookup.result()
 
     def _plan_of(self, state: _RequestState, tokens: list[int]) -> ChunkPlan:
         """The prompt's chunks, hashed once per request (the scheduler may ask about it every step)."""
@@ -224,6 +266,9 @@ class KVRedisScheduler:
         will not be loaded is released now."""
         req_id = request.request_id
         state = self._requests.get(req_id)
+        if state is not None and state.lookup is not None:
+            state.lookup.cancel()  # scheduled without its answer: a later ask (after a preemption) asks anew
+            state.lookup = None
         if num_external_tokens <= 0 or req_id in self._loaded_once:
             if state is not None and state.announcement is not None and req_id not in self._loaded_once:
                 self._discard_announced(request, state)
@@ -252,6 +297,7 @@ class KVRedisScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVRedisConnectorMetadata:
         """This step's loads (planned at allocation) and saves (prompts whose prefill completes now)."""
+        self._step_wait_left = _STEP_LOOKUP_WAIT_S  # this is the step's end: the next one waits afresh
         meta = KVRedisConnectorMetadata(loads=list(self._pending_loads.values()))
         self._loading.update(self._pending_loads)
         self._loaded_once.update(self._pending_loads)
@@ -320,6 +366,8 @@ class KVRedisScheduler:
         if self._consumer and req_id not in self._requests:
             self._state_of(request)  # aborted before its first lookup: its announcement still counts
         state = self._requests.pop(req_id, None)
+        if state is not None and state.lookup is not None:
+            state.lookup.cancel()  # its answer is not needed (if it runs already, it is dropped)
         if state is not None and state.announcement is not None:
             self._discard_announced(request, state)
         self._prefills.pop(req_id, None)
@@ -356,4 +404,5 @@ class KVRedisScheduler:
         return announced is not None and not announced.differences(self.engine_description())
 
     def shutdown(self) -> None:
+        self._lookup_thread.shutdown(wait=False, cancel_futures=True)
         self.discards.shutdown()

@@ -1302,3 +1302,34 @@ def test_in_reuse_mode_a_salted_request_finds_nothing_of_another_tenant(make_eng
     second.finish("b2")
     assert second.new_reqs["b2"].num_computed_tokens == len(prompt) - 1
     second.assert_empty()
+
+
+def test_a_lookup_redis_has_not_answered_is_not_yet_and_holds_no_step(make_engine, redis_server) -> None:
+    """Redis frozen while a request is looked up: vLLM is told "not yet" and steps on (a running request
+    decodes a token a step; a step that waited would wait out the 30 s lookup bound and count an error), and
+    once Redis answers, the request loads what it holds."""
+    server: RedisServer = redis_server()
+    assert server.process is not None
+    producer = make_engine("kv_producer", url=server.url, reuse=True)
+    engine = make_engine("kv_consumer", url=server.url, reuse=True, lookup_timeout_s=30.0)
+    prompt = prompt_of(200, seed=98)
+    producer.add("a", prompt, max_tokens=1)
+    producer.finish("a")
+    producer.wait_saved()
+    producer.assert_empty()
+    engine.add("running", prompt_of(40, seed=99), max_tokens=1000)
+    engine.run(lambda: "running" in engine.new_reqs)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        engine.add("late", prompt, max_tokens=1)
+        for _ in range(20):
+            output = engine.step()
+            assert output.num_scheduled_tokens == {"running": 1}
+        assert engine.connector.scheduler._requests["late"].lookup is not None  # still out, not given up
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    engine.finish("late")
+    assert engine.new_reqs["late"].num_computed_tokens == len(prompt) - 1  # all it asks for, from Redis
+    assert engine.stats["lookup_errors"] == 0 and engine.stats["loaded_tokens"] == len(prompt) - 1
+    engine.scheduler.finish_requests("running", RequestStatus.FINISHED_ABORTED)
+    engine.assert_empty()
