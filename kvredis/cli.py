@@ -47,14 +47,16 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    """Print what a namespace holds."""
+    """Print what a namespace holds, and the hit rate of its engines' lookups."""
     from kvredis.client import RedisStore
+    from kvredis.tally import read_tally, tally_key
 
     config = _config(args)
     store = RedisStore(config)
     try:
-        found = store.summary(f"{config.namespace}:*")
-        stats = {"namespace": config.namespace, "url": config.masked_url, **found}
+        found = store.summary(f"{config.namespace}:*", besides=(tally_key(config.namespace),))
+        stats = {"namespace": config.namespace, "url": config.masked_url, **found,
+                 **read_tally(store, config.namespace)}
     finally:
         store.close()
     if args.json:
@@ -212,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     config = with_target(commands.add_parser("config", help="print the effective settings"))
     config.add_argument("--json", action="store_true")
     config.set_defaults(handler=cmd_config)
-    stats = with_target(commands.add_parser("stats", help="entries, bytes and TTLs in a namespace"))
+    stats = with_target(commands.add_parser("stats", help="chunks, bytes, TTLs and hit rate of a namespace"))
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(handler=cmd_stats)
     purge = with_target(commands.add_parser("purge", help="delete a namespace's entries"))

@@ -590,10 +590,11 @@ class RedisStore:
             for key in self.redis.scan_iter(match=pattern, count=count):
                 yield key.decode() if isinstance(key, bytes) else str(key)
 
-    def summary(self, pattern: str) -> dict[str, Any]:
+    def summary(self, pattern: str, *, besides: tuple[str, ...] = ()) -> dict[str, Any]:
         """What the keys matching ``pattern`` hold: KV chunks (the vLLM connector's), transfer records and
-        holders' sets, the lookup buffer's entries and pieces, their bytes and TTLs, and server memory."""
-        keys = list(self.scan(pattern))
+        holders' sets, the lookup buffer's entries and pieces, their bytes and TTLs, and server memory.
+        ``besides``: keys left out (counted by their readers, as the tally is)."""
+        keys = [key for key in self.scan(pattern) if key not in besides]
         entries = prompts = stored_bytes = chunk_bytes = 0
         ttls: list[int] = []
         chunk_ttls: list[int] = []

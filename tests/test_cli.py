@@ -128,6 +128,38 @@ def test_kvredis_stats_counts_chunks_records_and_holders_with_their_ttls(real_re
         assert stats["chunk_bytes"] >= pages.numel() * 4
         spread = [stats[f"chunk_ttl_{name}_s"] for name in ("min", "median", "max")]
         assert 400 < spread[0] <= spread[1] <= spread[2] <= 600, spread
+        assert (stats["lookup_tokens"], stats["found_tokens"], stats["hit_rate"]) == (0, 0, None)
+    finally:
+        store.delete(list(store.scan(f"{namespace}:*")))
+        store.close()
+
+
+def test_kvredis_stats_shows_the_hit_rate_of_every_engine_of_the_namespace(real_redis_url: str) -> None:
+    """Two engines' tallies (what their schedulers looked up and found) add up in Redis; ``kvredis stats``
+    shows them and their ratio, and does not count the tally among the stored keys."""
+    import json
+    import uuid
+
+    from kvredis.client import RedisStore
+    from kvredis.config import KVRedisConfig
+    from kvredis.tally import Tally
+
+    namespace = "t-stats-" + uuid.uuid4().hex[:8]
+    store = RedisStore(KVRedisConfig.from_env({}, {"url": real_redis_url, "namespace": namespace}))
+    try:
+        first, second = Tally(store, namespace), Tally(store, namespace)
+        first.add(lookup_tokens=300, found_tokens=0)
+        first.add(lookup_tokens=500, found_tokens=448)
+        second.add(lookup_tokens=200, found_tokens=152)
+        first.flush()
+        second.flush()
+        shown = kvredis("stats", "--json",
+                        env={"KVREDIS_URL": real_redis_url, "KVREDIS_NAMESPACE": namespace})
+        out, err = shown.communicate(timeout=BOUND_S)
+        assert shown.returncode == 0, err
+        stats = json.loads(out)
+        assert (stats["lookup_tokens"], stats["found_tokens"], stats["hit_rate"]) == (1000, 600, 0.6)
+        assert (stats["keys"], stats["pieces"], stats["keys_without_ttl"]) == (0, 0, 0)
     finally:
         store.delete(list(store.scan(f"{namespace}:*")))
         store.close()

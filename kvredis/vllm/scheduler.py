@@ -27,6 +27,7 @@ from kvredis.chunk_keys import ChunkPlan
 from kvredis.errors import KVRedisError
 from kvredis.keys import KeySpace, new_entry_id, prompt_digest
 from kvredis.request_keys import AdapterDigests, request_context
+from kvredis.tally import Tally
 from kvredis.vllm.discards import Discards
 from kvredis.vllm.endpoint import Endpoint
 from kvredis.vllm.engine import cache_identity
@@ -98,6 +99,7 @@ class KVRedisScheduler:
         # One thread asks Redis; the scheduler waits for it at most _STEP_LOOKUP_WAIT_S a step.
         self._lookup_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvredis-lookup")
         self._step_wait_left = _STEP_LOOKUP_WAIT_S
+        self._tally = Tally(endpoint.store, self.config.namespace)  # kvredis stats' hit rate
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, TransferSpec] = {}
         self._loading: set[str] = set()
@@ -149,6 +151,9 @@ class KVRedisScheduler:
                 amounts = {"lookup_tokens": loadable - num_computed_tokens,
                            "found_tokens": max(found - num_computed_tokens, 0)}
                 self.counts.add(**{name: value for name, value in amounts.items() if value})
+                self._tally.add(**amounts)
+                if self._tally.due():
+                    self._lookup_thread.submit(self._tally.flush)
             loadable = found
             if loadable <= num_computed_tokens:
                 return 0, False
@@ -405,4 +410,5 @@ class KVRedisScheduler:
 
     def shutdown(self) -> None:
         self._lookup_thread.shutdown(wait=False, cancel_futures=True)
+        self._tally.flush()  # bounded by the lookup timeout, as a lookup is
         self.discards.shutdown()

@@ -37,6 +37,7 @@ from kvredis.chunk_store import PageFormat
 from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.keys import CacheIdentity, new_entry_id
+from kvredis.tally import Tally, tally_key
 from kvredis.transfer import Transfers
 
 MISS = [None] * 5
@@ -380,7 +381,7 @@ def test_a_user_lacking_any_command_of_the_rule_fails_clearly(acl_server, namesp
 
 
 CHUNK_COMMANDS = ("exists", "evalsha", "script|load", "set", "sadd", "srem", "scard", "pexpire", "get", "del",
-                  "strlen", "getrange", "getex", "rpush", "multi", "exec", "blpop")
+                  "strlen", "getrange", "getex", "rpush", "multi", "exec", "blpop", "hincrby")
 """The commands the vLLM connector's chunk store sends, its scripts' included (ACL checks those too);
 README's rule for connector users lists exactly these."""
 
@@ -417,6 +418,11 @@ def transfer_round_trip(url: str, namespace: str, admin: Any) -> None:
         taken = shared.take(plan, 20, 39, page_format, transfer_id=fourth)
         assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), pages[:, 1:])
         assert shared.save(plan, pages).present == 3
+        tally = Tally(store, namespace)  # what a scheduler adds to kvredis stats' hit rate
+        tally.add(lookup_tokens=39, found_tokens=32)
+        tally.send()
+        assert admin.hgetall(tally_key(namespace)) == {b"lookup_tokens": b"39", b"found_tokens": b"32"}
+        admin.delete(tally_key(namespace))
         left = list(admin.scan_iter(match=f"{namespace}:*"))
         assert len(left) == 3  # the chunks, for any reader
         admin.delete(*left)

@@ -93,11 +93,12 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
 def _keys(running: RunningStack) -> list[str]:
     from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
+    from kvredis.tally import tally_key
 
     config = KVRedisConfig.from_env(overrides={"url": running.redis_url, "namespace": running.namespace})
     store = RedisStore(config)
     try:
-        return list(store.scan(f"{config.namespace}:*"))
+        return [key for key in store.scan(f"{config.namespace}:*") if key != tally_key(config.namespace)]
     finally:
         store.close()
 

@@ -53,6 +53,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.keys import new_entry_id
+from kvredis.tally import read_tally, tally_key
 from kvredis.transfer import record_digests
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import worker as worker_module
@@ -268,9 +269,11 @@ class Engine:
 
 
 def redis_keys(url: str, namespace: str) -> list[bytes]:
+    """The namespace's keys but its tally (the schedulers' lookup counts, not KV)."""
     client = redis.Redis.from_url(url)
     try:
-        return sorted(client.scan_iter(match=f"{namespace}:*", count=1000))
+        return sorted(key for key in client.scan_iter(match=f"{namespace}:*", count=1000)
+                      if key != tally_key(namespace).encode())
     finally:
         client.close()
 
@@ -327,7 +330,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
     for engine in engines:
         engine.worker.shutdown()
         engine.connector.shutdown()
-    leftover = redis_keys(real_redis_url, namespace)
+    leftover = [*redis_keys(real_redis_url, namespace), tally_key(namespace).encode()]
     if leftover:
         client = redis.Redis.from_url(real_redis_url)
         client.delete(*leftover)
@@ -1282,6 +1285,13 @@ def test_in_reuse_mode_another_prefill_loads_the_stored_prefix_and_writes_only_t
     assert_pages_moved(first, decode, "c", "a", 0, stored // BLOCK_SIZE)
     decode.finish("c")
     decode.assert_empty()
+    for engine in (first, second, decode):
+        engine.connector.scheduler._tally.flush()  # what vLLM's steps send within a second
+    # The namespace's tally (kvredis stats' hit rate): the engines' lookups together (the decode's was
+    # announced, so it looked nothing up).
+    tally = read_tally(decode.connector.scheduler.endpoint.store, decode.namespace)
+    looked_up = first.stats["lookup_tokens"] + second.stats["lookup_tokens"]
+    assert (tally["lookup_tokens"], tally["found_tokens"]) == (looked_up, stored)
     keys = redis_keys(decode.redis_url, decode.namespace)
     assert len(keys) == 5 + 3 and all(b":c:" in key and not key.endswith(b":h") for key in keys), keys
 
