@@ -142,7 +142,18 @@ def _stack_options(args: argparse.Namespace, proxy_port: int) -> StackOptions:
         prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances,
         policy=args.policy,
+        reuse=_reuse(args.reuse),
+        redis_maxmemory=args.redis_maxmemory,
     )
+
+
+def _reuse(flag: bool | None) -> bool:
+    """``--reuse``/``--no-reuse``, else ``KVREDIS_REUSE``, else on (the stack is a shared prefix cache)."""
+    if flag is not None:
+        return flag
+    from kvredis.config import KVRedisConfig
+
+    return KVRedisConfig.from_env().reuse if "KVREDIS_REUSE" in os.environ else True
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -197,6 +208,11 @@ def _stack_arguments() -> argparse.ArgumentParser:
                         help="decode vLLM servers behind the proxy (default: %(default)s)")
     parent.add_argument("--policy", choices=_POLICIES, default="round_robin",
                         help="how the proxy picks among several instances of a role (default: %(default)s)")
+    parent.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=None,
+                        help="engines share a prefix cache in Redis; --no-reuse: each prompt's KV is taken "
+                             "once by its decode (default: KVREDIS_REUSE, else on)")
+    parent.add_argument("--redis-maxmemory", default="2gb", metavar="SIZE",
+                        help="maxmemory of the redis-server the stack starts (default: %(default)s)")
     return parent
 
 

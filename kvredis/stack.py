@@ -9,6 +9,11 @@ start more of each, named ``prefill-1``.. and ``decode-1``..), and the disaggreg
 proxy``), given every instance. Parts start phase by phase (Redis, then all engines at once, then the
 proxy), each phase waiting for its members' health checks within a bound.
 
+The engines run as a shared prefix cache (``reuse``: any engine loads the longest stored prefix of a prompt,
+and chunks stay under their TTL) unless ``StackOptions.reuse`` is off; the embedded ``redis-server`` is
+bounded (``--maxmemory``) and evicts by remaining TTL (``volatile-ttl``, which the chunks' TTLs order for it:
+docs/design.md).
+
 The engines run with ``PROMETHEUS_MULTIPROC_DIR`` set: kvredis's connector counts in vLLM's worker process,
 and only then does vLLM's API server serve the series of all its processes on ``/metrics`` (without it
 ``/metrics`` shows only the API server's own, where kvredis counts nothing). :mod:`kvredis.demo` reads them.
@@ -152,6 +157,12 @@ class StackOptions:
     decode_instances: int = 1
     policy: str = "round_robin"
     """How the proxy picks among several instances of a role (see :data:`kvredis.proxy.POLICIES`)."""
+    reuse: bool = True
+    """The engines share a prefix cache in Redis (``KVREDIS_REUSE``); off: a prompt's KV is taken once."""
+    redis_maxmemory: str = "2gb"
+    """The embedded ``redis-server``'s ``--maxmemory`` (another Redis is as its operator set it)."""
+    connector: bool = True
+    """Off: the engines run plain, without kvredis (a baseline for benchmarks; the proxy still runs)."""
 
 
 @dataclass
@@ -222,12 +233,14 @@ def default_engine_command(command: str = "up") -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
 
 
-def _redis_server_spec(port: int, data_dir: Path) -> ChildSpec:
+def _redis_server_spec(port: int, data_dir: Path, maxmemory: str) -> ChildSpec:
     url = f"redis://127.0.0.1:{port}/0"
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
         "--dir", str(data_dir), "--daemonize", "no", "--logfile", "",
+        # Full, it evicts the key nearest its expiry: a prompt's later chunks, and the least recently used.
+        "--maxmemory", maxmemory, "--maxmemory-policy", "volatile-ttl",
     ]
     return ChildSpec("redis", argv, url, lambda: redis_ping(url), startup_timeout_s=_REDIS_STARTUP_S)
 
@@ -271,7 +284,7 @@ def _engine_spec(
     tiny: bool,
     cpu_bind: str | None = None,
 ) -> ChildSpec:
-    extra: dict[str, Any] = {"namespace": options.namespace}
+    extra: dict[str, Any] = {"namespace": options.namespace, "reuse": options.reuse}
     if redis_url is not None:
         extra["url"] = redis_url
     transfer = {
@@ -288,8 +301,10 @@ def _engine_spec(
     argv = [
         *command, *model_args, "--served-model-name", served_name, "--host", options.host,
         "--port", str(port), "--max-model-len", str(options.max_model_len), "--seed", "0",
-        "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer),
+        "--enable-prompt-tokens-details",
     ]
+    if options.connector:
+        argv += ["--kv-transfer-config", json.dumps(transfer)]
     if tiny:
         # The tiny model is float32; eager mode skips compiling, which would only slow the start here.
         argv += ["--dtype", "float32", "--enforce-eager", "--block-size", "32"]
@@ -359,7 +374,7 @@ def open_stack(
                 engine_redis_url = redis_url
         elif shutil.which("redis-server"):
             (port,) = free_ports(1)
-            spec = _redis_server_spec(port, log_dir / "redis-data")
+            spec = _redis_server_spec(port, log_dir / "redis-data", options.redis_maxmemory)
             phases.append([spec])
             redis_url = engine_redis_url = spec.url
             redis_kind = f"redis-server on {redis_url} (nothing saved to disk)"

@@ -37,15 +37,16 @@ SERVER = textwrap.dedent("""
 """)
 
 # A stand-in for `vllm serve`: takes its arguments, answers /health, and answers /v1/completions with its
-# kv_role, so a request through the proxy shows which engine answered. FAKE_ENGINE_FAIL_ROLE makes the
-# engine of that role die at start-up; FAKE_ENGINE_HANG makes every engine start but never listen.
+# kv_role ("plain" without a connector), so a request through the proxy shows which engine answered.
+# FAKE_ENGINE_FAIL_ROLE makes the engine of that role die at start-up; FAKE_ENGINE_HANG makes every engine
+# start but never listen.
 FAKE_ENGINE = textwrap.dedent("""
     import argparse, http.server, json, os, signal, subprocess, sys, time
     parser = argparse.ArgumentParser()
     parser.add_argument("--host"); parser.add_argument("--port", type=int)
     parser.add_argument("--kv-transfer-config")
     args, _ = parser.parse_known_args()
-    role = json.loads(args.kv_transfer_config)["kv_role"]
+    role = json.loads(args.kv_transfer_config)["kv_role"] if args.kv_transfer_config else "plain"
     print("fake engine", role, "args", sys.argv[1:], flush=True)
     engine_core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print("engine core pid", engine_core.pid, flush=True)

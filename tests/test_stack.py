@@ -269,3 +269,76 @@ def test_the_stack_leaves_a_bind_the_user_set_and_says_when_one_cpu_cannot_be_sp
     monkeypatch.setattr(stack_module.os, "sched_getaffinity", lambda pid: {0, 1})
     assert stack_module._cpu_binds(options, sys.stdout) == ["0", "1", "1"]
     assert capsys.readouterr().out == ""
+
+
+def _engine_args(log: Path) -> list[str]:
+    """The arguments a stand-in engine was started with (its log's first line)."""
+    import ast
+
+    first = log.read_text().splitlines()[0]
+    return list(ast.literal_eval(first.split(" args ", 1)[1]))
+
+
+def _transfer_config(log: Path) -> dict[str, object] | None:
+    args = _engine_args(log)
+    if "--kv-transfer-config" not in args:
+        return None
+    return json.loads(args[args.index("--kv-transfer-config") + 1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_stack_is_a_shared_prefix_cache_on_a_bounded_redis_evicting_by_ttl(
+    tmp_path: Path, fake_engine: str, reuse: bool
+) -> None:
+    """By default every engine shares the prefix cache (``reuse`` in its connector's settings), and the
+    redis-server the stack starts is bounded and evicts the key nearest its expiry; ``reuse=False`` makes
+    the engines take each prompt's KV once."""
+    import shutil
+
+    import redis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on the PATH")
+    pytest.importorskip("aiohttp")
+    options = StackOptions(model="stand-in", engine_command=fake_engine.split(), proxy_port=0,
+                           log_dir=tmp_path / "logs", startup_timeout_s=BOUND_S, redis_maxmemory="64mb",
+                           **({} if reuse else {"reuse": False}))
+    with open_stack(options, out=sys.stderr) as running_stack:
+        client = redis.Redis.from_url(running_stack.redis_url)
+        try:
+            settings = client.config_get("maxmemory*")
+            assert (settings["maxmemory"], settings["maxmemory-policy"]) == (str(64 << 20), "volatile-ttl")
+        finally:
+            client.close()
+        for role in ("prefill", "decode"):
+            config = _transfer_config(tmp_path / "logs" / f"{role}.log")
+            assert config is not None
+            assert config["kv_connector_extra_config"] == {"namespace": "kvredis", "reuse": reuse,
+                                                           "url": running_stack.redis_url}
+
+
+def test_a_stack_without_the_connector_runs_plain_engines(tmp_path: Path, fake_engine: str) -> None:
+    """The benchmarks' baseline: the same engines, no kvredis in them."""
+    pytest.importorskip("aiohttp")
+    options = StackOptions(model="stand-in", engine_command=fake_engine.split(), proxy_port=0,
+                           log_dir=tmp_path / "logs", startup_timeout_s=BOUND_S, connector=False)
+    with open_stack(options, out=sys.stderr):
+        for role in ("prefill", "decode"):
+            assert _transfer_config(tmp_path / "logs" / f"{role}.log") is None
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    ([], {}, True),
+    (["--no-reuse"], {}, False),
+    ([], {"KVREDIS_REUSE": "0"}, False),
+    (["--reuse"], {"KVREDIS_REUSE": "0"}, True),
+])
+def test_kvredis_up_reuses_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch, argv: list[str],
+                                                 env: dict[str, str], expected: bool) -> None:
+    from kvredis.cli import _stack_options, build_parser
+
+    monkeypatch.delenv("KVREDIS_REUSE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["up", *argv])
+    assert _stack_options(args, 0).reuse is expected
