@@ -346,3 +346,28 @@ def wait_counters(server: Server, before: dict[str, float], expected: dict[str, 
         if time.monotonic() > deadline:
             return delta
         time.sleep(0.1)
+
+
+def write_lora_adapter(folder: Path, model: Path, seed: int, rank: int = 8) -> Path:
+    """A PEFT LoRA adapter for the tiny model whose weights change every layer's K and V projections
+    (so an entry written under it holds other KV than the base model's or another adapter's)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((model / "config.json").read_text())
+    hidden, kv_width = config["hidden_size"], config["num_key_value_heads"] * config["head_dim"]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in ("k_proj", "v_proj"):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.3
+            tensors[f"{name}.lora_B.weight"] = torch.randn(kv_width, rank, generator=generator) * 0.3
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model), "r": rank,
+        "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": ["k_proj", "v_proj"], "inference_mode": True,
+    }))
+    return folder

@@ -1,13 +1,14 @@
 """Redis as a shared prefix cache (issue 23, reuse mode): ``vllm serve`` engines behind ``kvredis proxy``.
 
 Two prefill instances, each behind a proxy of its own, share one decode and one Redis, all with
-``reuse``: a prefix one prefill stored is loaded by the other instead of computed, a conversation whose
-turns alternate between the instances loads each earlier turn, tenants under ``cache_salt`` share nothing,
-a prefix ends at an evicted chunk, and an emptied Redis costs only misses. Every answer must be the one the
-decode engine computes alone (under a fresh ``cache_salt``: nothing of its prefix cache nor of Redis is
-that salt's), token for token; the prefills' counters (``vllm:kvredis_*_total``) say what came from
-Redis. Prefix caching and a 64-token prefill budget are on everywhere. Chunks stay after use (that is the
-mode); records and holders' sets never do. Three engines, not four, to keep CI's time.
+``reuse``: a prefix one prefill stored is loaded by the other instead of computed (and counted among the
+cached tokens of its usage), a conversation whose turns alternate between the instances loads each earlier
+turn, tenants under ``cache_salt`` share nothing, nor do a LoRA adapter and the base model, a prefix ends at
+an evicted chunk, and an emptied Redis costs only misses. Every answer must be the one the decode engine
+computes alone (under a fresh ``cache_salt``: nothing of its prefix cache nor of Redis is that salt's), token
+for token; the prefills' counters (``vllm:kvredis_*_total``) say what came from Redis. Prefix caching, a
+64-token prefill budget and LoRA (an adapter written here, changing K and V) are on everywhere. Chunks stay
+after use (that is the mode); records and holders' sets never do. Three engines, not four, to keep CI's time.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from engine_servers import (
     start_redis,
     start_server,
     wait_ready,
+    write_lora_adapter,
 )
 from redis_servers import wait_until
 
@@ -45,6 +47,7 @@ START_TIMEOUT_S = 600.0
 MAX_MODEL_LEN = 1024
 COUNTERS_BOUND_S = 90.0  # longer than this VM's freezes; a passing test never waits it out
 CHUNK = KVRedisConfig().chunk_tokens
+ADAPTER = "adapter-a"
 
 
 @dataclass
@@ -55,19 +58,24 @@ class Shared(Disaggregated):
     proxy: Proxy
     other_proxy: Proxy
 
-    def alone(self, prompt: list[int]) -> list[int]:
+    def alone(self, prompt: list[int], model: str | None = None) -> list[int]:
         """The decode engine's own answer: a salt of its own finds nothing cached, locally or in Redis."""
-        return self.complete(self.decode, prompt, cache_salt=uuid.uuid4().hex)
+        return self.complete(self.decode, prompt, model, cache_salt=uuid.uuid4().hex)
 
-    def complete(self, where: Server | Proxy, prompt: list[int], **extra: Any) -> list[int]:
-        """A greedy completion's generated token IDs (the proxy's answer is the decode's)."""
+    def complete(self, where: Server | Proxy, prompt: list[int], model: str | None = None,
+                 **extra: Any) -> list[int]:
+        """A greedy completion's generated token IDs (the proxy's answer is the decode's); ``model``: the
+        base model's name (default) or an adapter's."""
+        return list(self.create(where, prompt, model, **extra).choices[0].model_extra["token_ids"])
+
+    def create(self, where: Server | Proxy, prompt: list[int], model: str | None = None, **extra: Any) -> Any:
+        """The whole answer (with its usage) of a greedy completion."""
         import openai
 
         client = openai.OpenAI(base_url=f"{where.url}/v1", api_key="unused", timeout=300.0, max_retries=0)
-        created = client.completions.create(
-            model=self.decode.model, prompt=prompt_text(prompt), max_tokens=6, temperature=0.0,
+        return client.completions.create(
+            model=model or self.decode.model, prompt=prompt_text(prompt), max_tokens=6, temperature=0.0,
             extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
-        return list(created.choices[0].model_extra["token_ids"])
 
     def assert_only_chunks_left(self) -> None:
         """Chunks stay (reuse); every transfer's record was taken and nothing holds a chunk."""
@@ -82,7 +90,9 @@ def shared(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     folder = tmp_path_factory.mktemp("reuse")
     redis_server = start_redis()
     namespace = "t-reuse-" + uuid.uuid4().hex[:10]
-    routine = ["--enable-prefix-caching", "--max-num-batched-tokens", "64"]
+    adapter = write_lora_adapter(folder / "lora-a", tiny_model, seed=21)
+    routine = ["--enable-prefix-caching", "--max-num-batched-tokens", "64", "--enable-lora",
+               "--max-lora-rank", "8", "--max-loras", "1", "--lora-modules", f"{ADAPTER}={adapter}"]
 
     def kv_config(role: str) -> dict[str, Any]:
         return kv_transfer_config(role, redis_server.url, namespace, reuse=True)
@@ -147,6 +157,41 @@ def test_a_second_prefill_instance_loads_the_prefix_the_first_stored(shared: Sha
     assert delta.get("found_tokens") == stored and delta.get("loaded_tokens") == stored, delta
     assert delta.get("present_chunks") == stored // CHUNK, delta  # not written again
     assert "load_failures" not in delta and "lookup_errors" not in delta, delta
+    shared.assert_only_chunks_left()
+
+
+def test_a_request_to_the_instance_itself_reports_the_loaded_prefix_as_cached(shared: Shared) -> None:
+    """Sent to the second prefill instance directly (no proxy), a prompt whose prefix the first stored:
+    its usage counts the prefix loaded from Redis among its cached tokens, as vLLM counts a connector's."""
+    common = prompt_of(200, seed=703)
+    first, second = common + prompt_of(30, seed=704), common + prompt_of(20, seed=705)
+    want = shared.alone(second)
+    shared.complete(shared.proxy, first)
+    before = shared.other.counters()
+    answer = shared.create(shared.other, second)
+    assert list(answer.choices[0].model_extra["token_ids"]) == want
+    stored = 200 // CHUNK * CHUNK
+    assert answer.usage.prompt_tokens_details.cached_tokens == stored
+    delta = found(shared.other, before, stored)
+    assert delta.get("found_tokens") == stored and delta.get("loaded_tokens") == stored, delta
+    shared.assert_only_chunks_left()
+
+
+def test_a_lora_request_never_hits_the_base_models_chunks(shared: Shared) -> None:
+    """The same prompt under the base model and under an adapter (whose weights change K and V): neither
+    finds the other's chunks; each finds its own."""
+    prompt = prompt_of(230, seed=706)
+    want_base, want_adapter = shared.alone(prompt), shared.alone(prompt, ADAPTER)
+    assert want_base != want_adapter  # the adapter changes the answer: a hit across them would show
+    assert shared.complete(shared.proxy, prompt) == want_base
+    before = shared.other.counters()
+    assert shared.complete(shared.other_proxy, prompt, ADAPTER) == want_adapter
+    delta = settled(shared.other, before, {"saved_requests": 1})
+    assert "found_tokens" not in delta and "loaded_tokens" not in delta, delta
+    before = shared.prefill.counters()
+    assert shared.complete(shared.proxy, prompt, ADAPTER) == want_adapter  # the adapter's own chunks
+    stored = len(prompt) - 1
+    assert found(shared.prefill, before, stored).get("loaded_tokens") == stored
     shared.assert_only_chunks_left()
 
 

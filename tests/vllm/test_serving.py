@@ -30,7 +30,6 @@ import pytest
 pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
 
 import openai
-import torch
 from engine_servers import (
     Disaggregated,
     Proxy,
@@ -43,6 +42,7 @@ from engine_servers import (
     start_server,
     wait_counters,
     wait_ready,
+    write_lora_adapter,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from redis_servers import wait_until
@@ -63,31 +63,6 @@ starts with the first turn's tokens (what lets prefix caching and Redis help a m
 
 
 # -- the deployment --------------------------------------------------------------------------------
-
-
-def write_lora_adapter(folder: Path, model: Path, seed: int, rank: int = 8) -> Path:
-    """A PEFT LoRA adapter for the tiny model whose weights change every layer's K and V projections
-    (so an entry written under it holds other KV than the base model's or another adapter's)."""
-    from safetensors.torch import save_file
-
-    config = json.loads((model / "config.json").read_text())
-    hidden, kv_width = config["hidden_size"], config["num_key_value_heads"] * config["head_dim"]
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for module in ("k_proj", "v_proj"):
-            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.3
-            tensors[f"{name}.lora_B.weight"] = torch.randn(kv_width, rank, generator=generator) * 0.3
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()},
-              str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model), "r": rank,
-        "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": ["k_proj", "v_proj"], "inference_mode": True,
-    }))
-    return folder
 
 
 @dataclass
