@@ -6,7 +6,8 @@ holds: kvredis hashes the prompt's chunk chain and asks which chunks exist, in o
 that call (``ChunkPlan.of`` + ``ChunkStore.stored_prefix`` on the lookup client) for prompts of 1 and 1,000
 tokens and more, with a store of ``--stored`` chunks (of ``--chunk-tokens``, the default's), and the same
 EXISTS commands pre-encoded and sent on a raw socket to the same Redis (the round trip's floor), and prints
-the medians and their ratio.
+the medians and their ratio; and the same lookup as vLLM's scheduler waits for it: handed to a thread of its
+own (the connector's lookup thread) and waited for.
 
     python scripts/bench_lookup.py                      # a redis-server of its own on a free port
     python scripts/bench_lookup.py --url redis://127.0.0.1:6379/0
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -109,7 +111,12 @@ def measure(url: str, args: argparse.Namespace) -> int:
         print(f"lookup of a prompt's chunks ({chunk_tokens} tokens each), {args.stored:,} chunks stored, "
               f"median of {args.repeat}:")
         print(f"  {'tokens':>7} {'chunks':>6} {'kvredis µs':>11} {'hash µs':>8} {'raw EXISTS µs':>14} "
-              f"{'ratio':>6}")
+              f"{'ratio':>6} {'on its thread µs':>17}")
+        thread = ThreadPoolExecutor(max_workers=1)
+
+        def look_up(tokens: list[int]) -> int:
+            return chunks.stored_prefix(ChunkPlan.of(tokens, chunk_tokens).digests)
+
         for length in (1, 1000, 8000, 32000):
             tokens = list(range(7, 7 + length))
             stored = ChunkPlan.of(tokens, chunk_tokens)
@@ -118,7 +125,7 @@ def measure(url: str, args: argparse.Namespace) -> int:
                                   for i in range(max(half, 1))])
             commands = b"".join(bytes(part) for d in stored.digests
                                 for part in frame(b"EXISTS", chunks.keys.chunk(d).encode()))
-            timed, hashed, raw = [], [], []
+            timed, hashed, raw, threaded = [], [], [], []
             for _ in range(args.repeat):
                 started = time.perf_counter()
                 plan = ChunkPlan.of(tokens, chunk_tokens)
@@ -130,11 +137,16 @@ def measure(url: str, args: argparse.Namespace) -> int:
                 started = time.perf_counter()
                 raw_exists(sock, commands, len(digests))
                 raw.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                thread.submit(look_up, tokens).result()
+                threaded.append(time.perf_counter() - started)
             assert found == max(half, 1), (found, half)
             ratio = statistics.median(timed) / statistics.median(raw)
             print(f"  {length:>7,} {stored.num_chunks:>6} {median_us(timed):>11.1f} "
-                  f"{median_us(hashed):>8.1f} {median_us(raw):>14.1f} {ratio:>6.2f}")
+                  f"{median_us(hashed):>8.1f} {median_us(raw):>14.1f} {ratio:>6.2f} "
+                  f"{median_us(threaded):>17.1f}")
         sock.close()
+        thread.shutdown()
     finally:
         store.delete(list(store.scan("bench-lookup:*")))
         store.close()

