@@ -41,9 +41,10 @@ logger = logging.getLogger("kvredis.vllm")
 _LOOKUP_PAUSE_S = 10.0
 """After a failed lookup, the scheduler computes prompts without asking Redis for this long."""
 _STEP_LOOKUP_WAIT_S = 0.005
-"""How long one scheduler step waits for Redis's answers to its lookups, all requests together. A lookup takes
-0.03-0.15 ms on one host (docs/benchmarks.md), a network round trip more; one still out after this is
-answered "not yet" and asked about again at the next step, while it runs on (up to the lookup timeout)."""
+"""How long one scheduler step waits for Redis's answers to its lookups, all requests together. A lookup of a
+1,000-token prompt takes about 0.2 ms on one host, handed to the thread and back (docs/benchmarks.md), a
+network round trip more; one still out after this is answered "not yet" and asked about again at the next
+step, while it runs on (up to the lookup timeout)."""
 _NOT_YET = object()
 
 
