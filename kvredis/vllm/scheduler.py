@@ -97,6 +97,7 @@ class KVRedisScheduler:
         self._kv_layers = kv_layers
         self._multimodal_hashed = multimodal_hashed
         self._lookups_paused_until = 0.0
+        self._lookups_failing = False  # warned about; said again only once Redis answers again
         # One thread asks Redis; the scheduler waits for it at most _STEP_LOOKUP_WAIT_S a step.
         self._lookup_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvredis-lookup")
         self._step_wait_left = _STEP_LOOKUP_WAIT_S
@@ -168,15 +169,22 @@ class KVRedisScheduler:
             return None  # queued behind the lookup that failed
         try:
             plan = self._plan_of(state, tokens)
-            return self.transfers.chunks.stored_prefix(plan.digests, lookup=True)
+            stored = self.transfers.chunks.stored_prefix(plan.digests, lookup=True)
         except Exception as exc:  # any failure means "nothing stored", never a dead engine
             self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
             self.endpoint.metrics.miss("error")
             self.counts.add(lookup_errors=1)
-            logger.warning("request %s: cannot look up its KV in Redis, computing it (and not looking "
-                           "prompts up for %g s): %s", req_id, _LOOKUP_PAUSE_S, exc,
-                           exc_info=not isinstance(exc, KVRedisError))
+            # Once per outage: a Redis down for an hour is one warning, not one every pause.
+            log = logger.debug if self._lookups_failing else logger.warning
+            self._lookups_failing = True
+            log("request %s: cannot look up its KV in Redis, computing it (and not looking prompts up for "
+                "%g s at a time until Redis answers): %s", req_id, _LOOKUP_PAUSE_S, exc,
+                exc_info=not isinstance(exc, KVRedisError))
             return None
+        if self._lookups_failing:
+            self._lookups_failing = False
+            logger.warning("Redis answers lookups again: prompts are looked up in it again")
+        return stored
 
     def _answer(self, state: _RequestState) -> object:
         """The request's lookup's answer, waited for while the step's wait lasts; ``_NOT_YET`` if Redis has

@@ -698,6 +698,32 @@ def test_redis_down_lookups_fail_fast_and_pause(make_engine, redis_server, monke
     consumer.assert_empty()
 
 
+def test_an_outage_of_redis_is_warned_about_once_and_its_end_said(make_engine, redis_server, monkeypatch,
+                                                                  caplog) -> None:
+    """Lookups failing pause by pause through an outage: one warning (each failure still counted), then one
+    line when Redis answers again."""
+    import kvredis.vllm.scheduler
+
+    server: RedisServer = redis_server()
+    consumer = make_engine("kv_consumer", url=server.url, lookup_timeout_s=0.3)
+    monkeypatch.setattr(kvredis.vllm.scheduler, "_LOOKUP_PAUSE_S", 0.0)  # every request looks up
+    server.kill()
+    with caplog.at_level(logging.DEBUG, logger="kvredis.vllm"):
+        for i in range(3):
+            consumer.add(f"down{i}", prompt_of(50, seed=40 + i), max_tokens=1)
+            consumer.finish(f"down{i}")
+        server.start()
+        for i in range(2):
+            consumer.add(f"up{i}", prompt_of(50, seed=45 + i), max_tokens=1)
+            consumer.finish(f"up{i}")
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "kvredis.vllm" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "cannot look up its KV in Redis" in warnings[0] and "answers lookups again" in warnings[1]
+    assert consumer.stats["lookup_errors"] == 3
+    consumer.assert_empty()
+
+
 # -- small pieces -----------------------------------------------------------------------------------
 
 
