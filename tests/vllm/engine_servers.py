@@ -43,6 +43,10 @@ DECODE_TOKENS = 8
 TEST_TIMEOUTS = {"pop_timeout_s": 120.0, "socket_timeout_s": 120.0}
 TEST_TIMEOUT_ENV = {"KVREDIS_POP_TIMEOUT_S": "120", "KVREDIS_SOCKET_TIMEOUT_S": "120"}
 
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+"""Turns join with a space: the word-level tokenizer reads each turn's words, so a second turn's prompt
+starts with the first turn's tokens (what lets prefix caching and Redis help a multi-turn chat)."""
+
 
 @dataclass
 class Server:

@@ -1369,3 +1369,31 @@ def test_a_lookup_redis_has_not_answered_is_not_yet_and_holds_no_step(make_engin
     assert engine.stats["lookup_errors"] == 0 and engine.stats["loaded_tokens"] == len(prompt) - 1
     engine.scheduler.finish_requests("running", RequestStatus.FINISHED_ABORTED)
     engine.assert_empty()
+
+
+def test_in_reuse_mode_kv_both_engines_share_a_prefix_cache_without_a_proxy(make_engine) -> None:
+    """Two kv_both engines serving their own traffic (data-parallel instances behind a load balancer, no
+    disaggregation): the second loads the prefix the first stored and computes only the rest; each stores
+    what Redis lacks; nothing but chunks is left."""
+    first, second = make_engine("kv_both", reuse=True), make_engine("kv_both", reuse=True)
+    shared = prompt_of(260, seed=120)
+    first.add("a", shared, max_tokens=3)
+    assert first.finish("a").kv_transfer_params is None
+    first.wait_saved()
+    first.assert_empty()
+    assert first.stats["written_chunks"] == 5 and first.stats["found_tokens"] == 0
+    prompt = shared + prompt_of(90, seed=121)
+    second.add("b", prompt, max_tokens=3)
+    second.finish("b")
+    second.wait_saved()
+    stored = 4 * 64  # the first prompt's whole chunks
+    assert second.new_reqs["b"].num_computed_tokens == stored
+    assert sum(second.scheduled["b"]) == len(prompt) - stored + 2  # the rest of the prompt, 2 more tokens
+    blocks = torch.tensor(second.new_reqs["b"].block_ids[0][:stored // BLOCK_SIZE])
+    for name in LAYERS:
+        assert same_bits(second.layers[name][blocks], first.snapshots["a"][name][:stored // BLOCK_SIZE])
+    assert (second.stats["found_tokens"], second.stats["loaded_tokens"]) == (stored, stored)
+    assert (second.stats["present_chunks"], second.stats["written_chunks"]) == (4, 2)  # 256..348 new
+    second.assert_empty()
+    keys = redis_keys(second.redis_url, second.namespace)
+    assert len(keys) == 5 + 2 and all(b":c:" in key and not key.endswith(b":h") for key in keys), keys

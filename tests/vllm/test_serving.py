@@ -31,6 +31,7 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 
 import openai
 from engine_servers import (
+    CHAT_TEMPLATE,
     Disaggregated,
     Proxy,
     Server,
@@ -57,10 +58,6 @@ MAX_MODEL_LEN = 1024
 COUNTERS_BOUND_S = 90.0
 """How long a test waits for what an engine reports after answering (its counters, a log line, a record in
 Redis): longer than this VM's freezes (up to 46 s); a passing test never waits it out."""
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
-"""Turns join with a space: the word-level tokenizer reads each turn's words, so a second turn's prompt
-starts with the first turn's tokens (what lets prefix caching and Redis help a multi-turn chat)."""
-
 
 # -- the deployment --------------------------------------------------------------------------------
 
