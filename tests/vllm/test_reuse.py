@@ -13,7 +13,6 @@ after use (that is the mode); records and holders' sets never do. Three engines,
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,12 +27,12 @@ from engine_servers import (
     Disaggregated,
     Proxy,
     Server,
-    counter_delta,
     kv_transfer_config,
     prompt_of,
     start_proxy,
     start_redis,
     start_server,
+    wait_counters,
     wait_ready,
     write_lora_adapter,
 )
@@ -127,17 +126,9 @@ def clean_slate(shared: Shared) -> Iterator[None]:
 
 
 def settled(server: Server, before: dict[str, float], expected: dict[str, int]) -> dict[str, int]:
-    """``server``'s counters since ``before`` once they reach ``expected`` (or the bound passed). A save ends
-    on a writer thread after the engine's last step and is reported at its next one: a one-token request
-    (nothing to look up or store) makes that step."""
-    deadline = time.monotonic() + COUNTERS_BOUND_S
-    while True:
-        delta = counter_delta(before, server.counters())
-        reached = all(delta.get(name, 0) >= value for name, value in expected.items())
-        if reached or time.monotonic() > deadline:
-            return delta
-        server.complete([7], max_tokens=1)
-        time.sleep(0.05)
+    """``server``'s counters since ``before`` once they reach ``expected`` (or the bound passed), its saves'
+    reports drawn out by one-token requests."""
+    return wait_counters(server, before, expected, COUNTERS_BOUND_S, nudge=True)
 
 
 def found(server: Server, before: dict[str, float], tokens: int) -> dict[str, int]:

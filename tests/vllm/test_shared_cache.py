@@ -10,7 +10,6 @@ came from Redis. Prefix caching and a 64-token prefill budget are on. Only chunk
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,11 +23,11 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 from engine_servers import (
     CHAT_TEMPLATE,
     Server,
-    counter_delta,
     kv_transfer_config,
     prompt_of,
     start_redis,
     start_server,
+    wait_counters,
     wait_ready,
 )
 from redis_servers import RedisServer
@@ -106,16 +105,9 @@ def clean_slate(pair: Pair) -> Iterator[None]:
 
 
 def settled(server: Server, before: dict[str, float], expected: dict[str, int]) -> dict[str, int]:
-    """``server``'s counters since ``before`` once they reach ``expected`` (or the bound passed); a one-token
-    request (nothing to look up or store) makes the step that reports a save ended after the last one."""
-    deadline = time.monotonic() + COUNTERS_BOUND_S
-    while True:
-        delta = counter_delta(before, server.counters())
-        reached = all(delta.get(name, 0) >= value for name, value in expected.items())
-        if reached or time.monotonic() > deadline:
-            return delta
-        server.complete([7], max_tokens=1)
-        time.sleep(0.05)
+    """``server``'s counters since ``before`` once they reach ``expected`` (or the bound passed), its saves'
+    reports drawn out by one-token requests."""
+    return wait_counters(server, before, expected, COUNTERS_BOUND_S, nudge=True)
 
 
 def test_an_instance_loads_the_prefix_the_other_stored(pair: Pair) -> None:
