@@ -147,12 +147,9 @@ def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any]
     return Server(name, process, port, log, str(model))
 
 
-@dataclass
-class Disaggregated:
-    """A prefill (kv_producer) and a decode (kv_consumer) engine sharing a Redis namespace."""
+class NamespaceKeys:
+    """The keys of a test's Redis namespace (for a dataclass with ``redis`` and ``namespace`` fields)."""
 
-    prefill: Server
-    decode: Server
     redis: RedisServer
     namespace: str
 
@@ -176,6 +173,16 @@ class Disaggregated:
                 client.delete(*leftover)
         finally:
             client.close()
+
+
+@dataclass
+class Disaggregated(NamespaceKeys):
+    """A prefill (kv_producer) and a decode (kv_consumer) engine sharing a Redis namespace."""
+
+    prefill: Server
+    decode: Server
+    redis: RedisServer
+    namespace: str
 
     def transfer_records(self, count: int = 1, timeout_s: float = 10.0) -> list[str]:
         """The lists holding a transfer's record, once there are ``count`` (the prefill writes after

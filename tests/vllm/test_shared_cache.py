@@ -22,6 +22,7 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 
 from engine_servers import (
     CHAT_TEMPLATE,
+    NamespaceKeys,
     Server,
     kv_transfer_config,
     prompt_of,
@@ -34,7 +35,6 @@ from redis_servers import RedisServer
 
 from kvredis.chunk_keys import key_kind
 from kvredis.config import KVRedisConfig
-from kvredis.tally import tally_key
 from kvredis.tinymodel import prompt_text
 
 START_TIMEOUT_S = 600.0
@@ -44,7 +44,7 @@ CHUNK = KVRedisConfig().chunk_tokens
 
 
 @dataclass
-class Pair:
+class Pair(NamespaceKeys):
     """Two kv_both instances on one Redis namespace."""
 
     first: Server
@@ -56,24 +56,6 @@ class Pair:
         import openai
 
         return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300.0, max_retries=0)
-
-    def stored_keys(self) -> list[str]:
-        """The namespace's keys but its tally (the schedulers' lookup counts, not KV)."""
-        client = self.redis.client()
-        try:
-            return [key.decode() for key in client.scan_iter(match=f"{self.namespace}:*", count=1000)
-                    if key.decode() != tally_key(self.namespace)]
-        finally:
-            client.close()
-
-    def delete_keys(self) -> None:
-        client = self.redis.client()
-        try:
-            keys = list(client.scan_iter(match=f"{self.namespace}:*", count=1000))
-            if keys:
-                client.delete(*keys)
-        finally:
-            client.close()
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +108,7 @@ def test_an_instance_loads_the_prefix_the_other_stored(pair: Pair) -> None:
     assert delta.get("found_tokens") == stored and delta.get("loaded_tokens") == stored, delta
     assert delta.get("present_chunks") == stored // CHUNK, delta  # not written again
     assert "load_failures" not in delta and "lookup_errors" not in delta, delta
-    assert {key_kind(key) for key in pair.stored_keys()} == {"chunks"}
+    assert {key_kind(key.decode()) for key in pair.stored_keys()} == {"chunks"}
 
 
 def test_a_streamed_chat_alternating_between_instances_loads_each_earlier_turn(pair: Pair) -> None:
@@ -151,4 +133,4 @@ def test_a_streamed_chat_alternating_between_instances_loads_each_earlier_turn(p
         if turn:  # the other instance stored the turn before: whole chunks of it beyond this one's cache
             assert delta.get("loaded_tokens", 0) >= CHUNK, (turn + 1, delta)
         messages.append({"role": "assistant", "content": got})
-    assert {key_kind(key) for key in pair.stored_keys()} == {"chunks"}
+    assert {key_kind(key.decode()) for key in pair.stored_keys()} == {"chunks"}
