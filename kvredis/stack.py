@@ -248,7 +248,7 @@ def _redis_server_spec(port: int, data_dir: Path, maxmemory: str) -> ChildSpec:
 class _InProcessRedis:
     """fakeredis's TCP server on a free loopback port, served by a thread of this process."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int) -> None:
         try:
             from fakeredis import TcpFakeServer
         except ImportError as exc:
@@ -257,7 +257,6 @@ class _InProcessRedis:
                 "later) is not installed, and KVREDIS_URL is not set; install Redis (apt-get install "
                 "redis-server) or `pip install fakeredis`, or point KVREDIS_URL at a Redis"
             ) from exc
-        (port,) = free_ports(1)
         self.server = TcpFakeServer(("127.0.0.1", port))
         # A connection thread can sit in a blocking pop; closing must not wait for it.
         self.server.daemon_threads = True
@@ -361,6 +360,10 @@ def open_stack(
     phases: list[list[ChildSpec]] = []
     in_process: _InProcessRedis | None = None
     model_dir: Path | None = None
+    # Every port at once: ports chosen in two calls may be one port (the first is free again until its
+    # server binds it), and an engine would then fail to start on the Redis's port.
+    ports = free_ports(options.prefill_instances + options.decode_instances + 2, options.host)
+    redis_port = ports.pop()
     try:
         engine_redis_url: str | None
         if options.redis_url:
@@ -373,13 +376,12 @@ def open_stack(
             if "KVREDIS_URL" not in os.environ or os.environ["KVREDIS_URL"] != redis_url:
                 engine_redis_url = redis_url
         elif shutil.which("redis-server"):
-            (port,) = free_ports(1)
-            spec = _redis_server_spec(port, log_dir / "redis-data", options.redis_maxmemory)
+            spec = _redis_server_spec(redis_port, log_dir / "redis-data", options.redis_maxmemory)
             phases.append([spec])
             redis_url = engine_redis_url = spec.url
             redis_kind = f"redis-server on {redis_url} (nothing saved to disk)"
         else:
-            in_process = _InProcessRedis()
+            in_process = _InProcessRedis(redis_port)
             redis_url = engine_redis_url = in_process.url
             redis_kind = f"fakeredis in this process on {redis_url} (no redis-server on the PATH)"
         if options.model:
@@ -388,7 +390,6 @@ def open_stack(
             model_dir = log_dir / "tiny-llama"
             _write_tiny_model(model_dir)
             model, served_name, tiny = str(model_dir), TINY_MODEL_NAME, True
-        ports = free_ports(options.prefill_instances + options.decode_instances + 1, options.host)
         proxy_port = ports.pop()
         if options.proxy_port:
             proxy_port = options.proxy_port
