@@ -52,11 +52,17 @@ def chain(parent: str, start: int, tokens: memoryview) -> str:
 
 @dataclass(frozen=True, eq=False)
 class ChunkPlan:
-    """A prompt cut into chunks of ``chunk_tokens`` positions, with each chunk's chained digest."""
+    """A prompt cut into chunks of ``chunk_tokens`` positions, with each chunk's chained digest.
+
+    A *tail* plan (:meth:`tail`) covers the prompt's chunks from ``first`` on: its chunk ``i`` is the prompt's
+    chunk ``first + i``, at the same positions and with the same digest (chained from the prompt's start),
+    so a tail stores and finds exactly the chunks a whole plan would.
+    """
 
     chunk_tokens: int
     tokens: memoryview  # the prompt's token IDs, int64 (format "q")
     seed: str
+    first: int = 0  # the prompt's chunks before this one are not part of the plan
 
     @classmethod
     def of(cls, input_tokens: Any, chunk_tokens: int, context: str = "") -> ChunkPlan:
@@ -65,21 +71,39 @@ class ChunkPlan:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         return cls(chunk_tokens, _token_view(input_tokens), chunk_seed(context))
 
+    def tail(self, first: int) -> ChunkPlan:
+        """The plan of this prompt's chunks from chunk ``first`` (of the whole prompt) on."""
+        if not 0 <= first <= self._total_chunks:
+            raise IndexError(f"chunk {first} of a {self._total_chunks}-chunk prompt")
+        tail = ChunkPlan(self.chunk_tokens, self.tokens, self.seed, first)
+        if "_chain" in self.__dict__:
+            object.__setattr__(tail, "_chain", self._chain)  # hashed once for the whole prompt
+        return tail
+
     @property
     def num_tokens(self) -> int:
-        """Positions in the prompt."""
+        """Positions in the prompt (the whole prompt's, for a tail too)."""
         return len(self.tokens)
 
     @property
-    def num_chunks(self) -> int:
-        """Chunks covering the whole prompt, the last one short if it does not fill up."""
+    def start(self) -> int:
+        """The position the plan's first chunk starts at (0 unless a tail)."""
+        return self.first * self.chunk_tokens
+
+    @property
+    def _total_chunks(self) -> int:
         return -(-self.num_tokens // self.chunk_tokens)
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks in the plan, the last one short if it does not fill up."""
+        return self._total_chunks - self.first
 
     def span(self, index: int) -> tuple[int, int]:
         """Positions ``start..stop-1`` of chunk ``index``."""
         if not 0 <= index < self.num_chunks:
-            raise IndexError(f"chunk {index} of a {self.num_chunks}-chunk prompt")
-        start = index * self.chunk_tokens
+            raise IndexError(f"chunk {index} of a {self.num_chunks}-chunk plan")
+        start = (self.first + index) * self.chunk_tokens
         return start, min(start + self.chunk_tokens, self.num_tokens)
 
     def is_full(self, index: int) -> bool:
@@ -91,9 +115,11 @@ class ChunkPlan:
         """The chunks holding positions ``start..stop-1`` (a chunk holding any of them counts whole)."""
         if stop <= start:
             return range(0)
-        if start < 0 or stop > self.num_tokens:
-            raise ValueError(f"positions {start}..{stop - 1} outside a {self.num_tokens}-token prompt")
-        return range(start // self.chunk_tokens, (stop - 1) // self.chunk_tokens + 1)
+        if start < self.start or stop > self.num_tokens:
+            raise ValueError(f"positions {start}..{stop - 1} outside positions {self.start}.."
+                             f"{self.num_tokens - 1} of a prompt")
+        size = self.chunk_tokens
+        return range(start // size - self.first, (stop - 1) // size + 1 - self.first)
 
     def chunk_tokens_of(self, index: int) -> memoryview:
         """The token IDs of chunk ``index`` (an int64 view)."""
@@ -101,19 +127,25 @@ class ChunkPlan:
         return self.tokens[start:stop]
 
     @cached_property
-    def digests(self) -> tuple[str, ...]:
-        """Every chunk's digest, in order (computed once: a prompt's chain is hashed in one pass)."""
+    def _chain(self) -> tuple[str, ...]:
+        """The digest of every chunk of the whole prompt (a prompt's chain is hashed in one pass)."""
         digests: list[str] = []
         parent = self.seed
-        for index in range(self.num_chunks):
-            start, _ = self.span(index)
-            parent = chain(parent, start, self.chunk_tokens_of(index))
+        for index in range(self._total_chunks):
+            start = index * self.chunk_tokens
+            parent = chain(parent, start, self.tokens[start:start + self.chunk_tokens])
             digests.append(parent)
         return tuple(digests)
 
+    @cached_property
+    def digests(self) -> tuple[str, ...]:
+        """Every chunk's digest, in order."""
+        return self._chain[self.first:]
+
     def parent(self, index: int) -> str:
-        """The digest chunk ``index`` chains from (the seed for chunk 0)."""
-        return self.seed if index == 0 else self.digests[index - 1]
+        """The digest chunk ``index`` chains from (the seed for the prompt's chunk 0)."""
+        whole = self.first + index
+        return self.seed if whole == 0 else self._chain[whole - 1]
 
 
 @dataclass(frozen=True)

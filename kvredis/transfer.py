@@ -164,10 +164,10 @@ class Transfers:
         chunks Redis lacks are written; with ``transfer_id`` every chunk is held for it and the record is
         pushed last."""
         per_chunk = self.chunk_tokens // self.block_size * pages_per_block
-        expected = -(-plan.num_tokens // self.block_size) * pages_per_block
+        expected = -(-(plan.num_tokens - plan.start) // self.block_size) * pages_per_block
         if pages.dim() < 2 or pages.shape[1] != expected:
-            raise KVRedisError(f"a {plan.num_tokens}-token prompt has {expected} pages, got "
-                               f"{tuple(pages.shape)}")
+            raise KVRedisError(f"positions {plan.start}..{plan.num_tokens - 1} of a prompt have {expected} "
+                               f"pages, got {tuple(pages.shape)}")
         nbytes = pages.numel() * pages.element_size()
         if self._inline(plan, transfer_id, nbytes):
             assert transfer_id is not None
@@ -327,10 +327,18 @@ class Transfers:
         except CodecError as exc:
             logger.warning("dropped the unreadable record of transfer %s: %s", transfer_id, exc)
             return "corrupt", None
-        if parsed.digests != plan.digests:
+        if parsed.digests[len(parsed.digests) - len(plan.digests):] != plan.digests:
             # Another prompt's record under this id: release what it holds all the same.
             self._release_quietly(parsed.held, transfer_id)
             return "foreign", None
+        if len(parsed.digests) > len(plan.digests):
+            # A transfer of more of the prompt's chunks than the reader needs (a sliding window's blocks, of
+            # which it reads the last): chained digests, so the same prompt; the chunks before its own go.
+            extra = parsed.held[:len(parsed.held) - len(plan.digests)]
+            if extra:
+                self._release_quietly(extra, transfer_id)
+            return "hit", Record(parsed.digests[len(parsed.digests) - len(plan.digests):], parsed.inline,
+                                 parsed.holds)
         return "hit", parsed
 
     def _read_leading(self, plan: ChunkPlan, indexes: range, page_format: PageFormat) -> Taken:
