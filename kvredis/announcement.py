@@ -31,10 +31,11 @@ ENGINE_FIELDS = {
     "namespace": "namespace", "model": "model", "kv_dtype": "KV dtype", "layout": "page layout",
     "block_size": "block size", "tp_size": "tensor-parallel size", "format_version": "entry format",
     "weights": "model weights and settings", "layers": "KV cache layers", "chunk_tokens": "chunk length",
+    "series": "KV cache groups (attention kinds and windows)",
 }
 """The fields an announcement carries about the producer's engine, and how a warning names each."""
 
-_SHARD_PREFIX = re.compile(r"\A[A-Za-z0-9_.-]{1,64}:[0-9a-f]{16}\Z")
+_SHARD_PREFIX = re.compile(r"\A[A-Za-z0-9_.-]{1,64}:[0-9a-f]{16}(:[wls][0-9]{0,9})?\Z")
 _MAX_SHARDS = 1024
 
 

@@ -30,10 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvredis.config import KVRedisConfig
 from kvredis.request_keys import UNHASHED_MULTIMODAL
+from kvredis.vllm.cache_groups import cache_series, unsupported_state
 from kvredis.vllm.endpoint import Endpoint
 from kvredis.vllm.engine import check_vllm_version, multimodal_inputs_hashed, refuse_unsupported
 from kvredis.vllm.metadata import KVRedisConnectorMetadata
@@ -62,8 +65,13 @@ def _log_through_vllm() -> None:
     ours.propagate = False
 
 
-class KVRedisConnector(KVConnectorBase_V1):
-    """Disaggregated prefill through Redis: the producer saves prompts' KV, the consumer loads it."""
+class KVRedisConnector(KVConnectorBase_V1, SupportsHMA):
+    """Disaggregated prefill through Redis: the producer saves prompts' KV, the consumer loads it.
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model with sliding-window or chunked
+    local layers beside full attention keeps its KV cache groups, each with its own blocks, and the
+    connector stores each kind of layer as a series of its own (:mod:`kvredis.vllm.cache_groups`).
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         check_vllm_version(vllm.__version__)
@@ -74,12 +82,20 @@ class KVRedisConnector(KVConnectorBase_V1):
         config = KVRedisConfig.from_env(overrides=transfer.kv_connector_extra_config or {})
         refuse_unsupported(vllm_config, kv_cache_config)
         worker = role == KVConnectorRole.WORKER
-        self.endpoint = Endpoint.open(vllm_config, config, worker=worker)
+        series = cache_series(kv_cache_config) if kv_cache_config is not None else ()
+        # Without a way to move a Mamba layer's state, no prompt can be resumed from Redis: the engine serves
+        # with the connector idle rather than not at all.
+        idle = unsupported_state(kv_cache_config) if kv_cache_config is not None else None
+        self.endpoint = Endpoint.open(vllm_config, config, worker=worker, series=series)
         self.scheduler: KVRedisScheduler | None = None
         self.worker: KVRedisWorker | None = None
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
         if worker:
-            self.worker = KVRedisWorker(self.endpoint)
+            self.worker = KVRedisWorker(self.endpoint, groups=len(groups))
             return
+        if idle is not None:
+            logger.warning("kvredis moves no KV for this model: it has %s; every prompt is computed here",
+                           idle)
         consumer = bool(transfer.is_kv_consumer)
         if consumer and getattr(transfer, "kv_load_failure_policy", None) == "fail":
             logger.warning(
@@ -89,11 +105,12 @@ class KVRedisConnector(KVConnectorBase_V1):
         multimodal_hashed = multimodal_inputs_hashed(vllm_config)
         if not multimodal_hashed:
             logger.warning("requests with %s are neither saved to nor loaded from Redis", UNHASHED_MULTIMODAL)
-        # Layers with a paged cache (a speculative decoder's draft layers included): a chunk holds them all.
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        # Layers with a paged cache (a speculative decoder's draft layers included): the chunks hold them all.
         self.scheduler = KVRedisScheduler(
-            vllm_config, self.endpoint, producer=bool(transfer.is_kv_producer), consumer=consumer,
-            kv_layers=len(groups[0].layer_names) if groups else None, multimodal_hashed=multimodal_hashed)
+            vllm_config, self.endpoint, producer=bool(transfer.is_kv_producer) and idle is None,
+            consumer=consumer and idle is None,
+            kv_layers=sum(len(s.layers) for s in series) if series else None,
+            multimodal_hashed=multimodal_hashed)
 
     @property
     def config(self) -> KVRedisConfig:
@@ -130,9 +147,18 @@ class KVRedisConnector(KVConnectorBase_V1):
         """Forget loads the workers report finished."""
         self._scheduler_side().update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Whether the request's blocks must wait for a load still writing, and what a prefill announces."""
         return self._scheduler_side().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` with the hybrid KV cache manager (block ids of every group)."""
+        return self._scheduler_side().request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """The KV cache groups a load writes: every stored series' (vLLM must not zero their new blocks)."""
+        return tuple(sorted(group for series in self.endpoint.series for group in series.groups))
 
     def may_load_async(self, request: Any) -> bool:
         """Whether the request's KV may load while the running batch is full (vLLM 0.34)."""
@@ -170,6 +196,15 @@ class KVRedisConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Loads finished since the last call (failed ones once their blocks were reported)."""
         return self._worker_side().get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads finished since the last call; with several KV cache groups a failed load is reported by its
+        request (vLLM recomputes it whole), since block ids name blocks of one group only."""
+        worker = self._worker_side()
+        _, finished = worker.get_finished(finished_req_ids)
+        failed = worker.take_failed_requests()
+        return KVConnectorTransferResults(finished_recving=set(finished or ()) | failed,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed; their requests finish in the next ``get_finished``."""

@@ -3,7 +3,7 @@ identity its chunks are keyed for, the Redis connection, the chunk transfers and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvredis.client import RedisStore
@@ -11,6 +11,7 @@ from kvredis.config import KVRedisConfig
 from kvredis.keys import CacheIdentity, KeySpace
 from kvredis.metrics import Metrics
 from kvredis.transfer import Transfers
+from kvredis.vllm.cache_groups import STATE, Series, describe
 from kvredis.vllm.engine import cache_identity, worker_pp_rank, worker_tp_rank
 from kvredis.vllm.stats import Counts
 
@@ -30,11 +31,21 @@ class Endpoint:
     metrics: Metrics
     counts: Counts
     block_size: int
+    series: tuple[Series, ...] = ()
+    stores: tuple[Transfers, ...] = field(default=())
+    """Each series' transfers, in the order of ``series`` (``transfers`` is the first's)."""
+
+    def __post_init__(self) -> None:
+        if not self.stores:
+            self.stores = (self.transfers,)
 
     @classmethod
-    def open(cls, vllm_config: VllmConfig, config: KVRedisConfig, *, worker: bool) -> Endpoint:
+    def open(cls, vllm_config: VllmConfig, config: KVRedisConfig, *, worker: bool,
+             series: tuple[Series, ...] = ()) -> Endpoint:
         """The endpoint of this process: a worker's keys carry its tensor- and pipeline-parallel rank; the
-        scheduler's are rank 0's, and its connection is bounded by the lookup timeout."""
+        scheduler's are rank 0's, and its connection is bounded by the lookup timeout. Each series of a
+        hybrid model's layers (:mod:`kvredis.vllm.cache_groups`) has its chunks under a prefix of its own;
+        a window's are a block long."""
         identity = cache_identity(vllm_config, worker_tp_rank() if worker else 0,
                                   worker_pp_rank() if worker else 0)
         if not worker:
@@ -46,12 +57,20 @@ class Endpoint:
         store = RedisStore(config)
         # Chunks are whole blocks: the configured length is rounded up to the next multiple of a block.
         chunk_tokens = -(-config.chunk_tokens // block_size) * block_size
-        transfers = Transfers(
-            store, keyspace.prefix, chunk_tokens=chunk_tokens, block_size=block_size,
-            ttl_ms=int(config.ttl_s * 1000), pop_timeout_s=config.pop_timeout_s,
-            max_chunk_bytes=config.max_entry_bytes, checksum=config.checksum, reuse=config.reuse)
-        return cls(config, identity, keyspace, store, transfers, Metrics(config.namespace), Counts(),
-                   block_size)
+        if any(s.kind == STATE for s in series):
+            # A reader resumes where a state is kept, at block boundaries: chunks end there too.
+            chunk_tokens = block_size
+
+        def transfers_of(tag: str, whole: bool) -> Transfers:
+            return Transfers(
+                store, series_prefix(keyspace.prefix, tag),
+                chunk_tokens=chunk_tokens if whole else block_size, block_size=block_size,
+                ttl_ms=int(config.ttl_s * 1000), pop_timeout_s=config.pop_timeout_s,
+                max_chunk_bytes=config.max_entry_bytes, checksum=config.checksum, reuse=config.reuse)
+
+        stores = tuple(transfers_of(s.tag, s.whole) for s in series) or (transfers_of("", True),)
+        return cls(config, identity, keyspace, store, stores[0], Metrics(config.namespace), Counts(),
+                   block_size, series, stores)
 
     def engine_fields(self) -> dict[str, Any]:
         """The fields of this engine that decide whether its chunks fit another (an announcement's
@@ -60,8 +79,16 @@ class Endpoint:
         return {"namespace": self.config.namespace, "model": identity.model, "kv_dtype": identity.kv_dtype,
                 "layout": identity.layout, "block_size": identity.block_size, "tp_size": identity.tp_size,
                 "format_version": identity.format_version, "weights": identity.weights,
-                "chunk_tokens": self.transfers.chunk_tokens}
+                "chunk_tokens": self.transfers.chunk_tokens,
+                # A hybrid model's series (a plain model's announcement has none, as before there were any).
+                **({"series": describe(self.series)} if any(not s.whole for s in self.series) else {})}
 
     def close(self) -> None:
         """Release the Redis connections (chunks already stored stay until taken or expired)."""
         self.store.close()
+
+
+def series_prefix(prefix: str, tag: str) -> str:
+    """The key prefix of a series of layers (:mod:`kvredis.vllm.cache_groups`): the engine's own for full
+    attention, so a plain model keeps its keys."""
+    return f"{prefix}:{tag}" if tag else prefix

@@ -92,7 +92,8 @@ def _weights(model_config: Any) -> str:
 
 
 def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
-    """Raise :class:`~kvredis.ConfigError` for a configuration whose pages the connector cannot move."""
+    """Raise :class:`~kvredis.ConfigError` for a configuration whose pages the connector cannot move (kinds
+    of layers it cannot store are refused by :func:`kvredis.vllm.cache_groups.cache_series`)."""
     parallel = vllm_config.parallel_config
     for flag, name in (("--decode-context-parallel-size (-dcp)", "decode_context_parallel_size"),
                        ("--prefill-context-parallel-size (-pcp)", "prefill_context_parallel_size")):
@@ -100,18 +101,6 @@ def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
         if size > 1:
             raise ConfigError(f"kvredis does not support {flag} {size}: context parallelism splits a "
                               "request's KV over ranks in a way its pages cannot express; run without it")
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    if len(groups) > 1:
-        raise ConfigError(f"kvredis supports models with one KV cache group; this one has {len(groups)} "
-                          "(a hybrid model: sliding-window, chunked-local or Mamba layers beside full "
-                          "attention), whose blocks it cannot move yet")
-    if groups:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        spec = groups[0].kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec):
-            raise ConfigError(f"kvredis moves full-attention KV caches; this model's is a "
-                              f"{type(spec).__name__}, whose blocks it cannot move")
 
 
 def multimodal_inputs_hashed(vllm_config: VllmConfig) -> bool:

@@ -1,5 +1,6 @@
 """What the connector's scheduler side tells its workers each step, and what both sides agree on about a
-prompt: which positions are stored (:func:`stored_plan`) and its token IDs as plain ints."""
+prompt: which positions and blocks are stored (:func:`stored_plan`, :func:`stored_blocks`), where a reader
+can resume (:func:`resume_end`) and its token IDs as plain ints."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvredis.chunk_keys import ChunkPlan
 from kvredis.transfer import Transfers
+from kvredis.vllm.cache_groups import STATE, Series
 
 
 @dataclass
@@ -22,11 +24,13 @@ class TransferSpec:
 
     req_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one list per KV cache group
     start: int
     stop: int
     context: str = ""
     entry_id: str | None = None
+    computed: int = 0  # a save: positions computed before its last prefill step (a window's earlier blocks
+    # may be freed by then)
 
 
 @dataclass
@@ -41,6 +45,47 @@ def stored_plan(transfers: Transfers, tokens: list[int], context: str) -> ChunkP
     """The chunks a prompt is stored as: every position but the last, whose KV no reader uses (vLLM computes
     a prompt's last token itself), so a prompt of k chunks and one token stores k whole chunks."""
     return transfers.plan(tokens[:-1], context)
+
+
+def resume_end(prompt: int, step: int) -> int:
+    """The last position a reader of a prompt of ``prompt`` tokens can resume at: all but its last token (vLLM
+    computes that one itself), down to a multiple of ``step`` (a Mamba state's block boundary)."""
+    return (prompt - 1) // step * step
+
+
+def stored_blocks(series: Series, tokens: int, computed: int, chunk_tokens: int, block_size: int,
+                  step: int) -> range:
+    """The blocks (indexes into the request's block table) a save keeps of ``series``' layers, for a prompt
+    of ``tokens`` tokens saved at the step that computed it from position ``computed`` on.
+
+    Full attention keeps every position but the last. A window keeps what a reader resuming at the last
+    resume position, or at the last chunk boundary (where a longer prompt's lookup finds the last full
+    chunk: a conversation's next turn), attends to, but nothing before what the prefill still holds: vLLM
+    frees a request's blocks as the window passes them (``remove_skipped_blocks``, from ``computed`` on), and
+    a freed block may hold another request's KV by now. A state keeps the block ending at the last resume
+    position, when the step started there (vLLM's prefill stops at that boundary, and the state there
+    outlives the step); otherwise nothing.
+    """
+    end = resume_end(tokens, step)
+    last = -(-end // block_size)
+    if series.kind == STATE:
+        if end == 0 or computed != end:
+            return range(0)
+        return range(last - 1, last)
+    if series.whole:
+        return range(-(-(tokens - 1) // block_size))
+    boundary = (tokens - 1) // chunk_tokens * chunk_tokens
+    first = max(series.needed(boundary), series.needed(computed))
+    return range(min(first // block_size, last), last)
+
+
+def series_plan(series: Series, transfers: Transfers, tokens: list[int], context: str, blocks: range,
+                end: int) -> ChunkPlan:
+    """The plan a series' ``blocks`` are stored under (a window's or state's: a block a chunk, from the
+    first of them) for a reader resuming at ``end``."""
+    if series.whole:
+        return stored_plan(transfers, tokens, context)
+    return transfers.plan(tokens[:end], context).tail(blocks.start)
 
 
 def token_list(tokens: Any) -> list[int]:

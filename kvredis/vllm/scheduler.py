@@ -28,10 +28,11 @@ from kvredis.errors import KVRedisError
 from kvredis.keys import KeySpace, new_entry_id, prompt_digest
 from kvredis.request_keys import AdapterDigests, request_context
 from kvredis.tally import Tally
+from kvredis.vllm.cache_groups import resume_step
 from kvredis.vllm.discards import Discards
-from kvredis.vllm.endpoint import Endpoint
+from kvredis.vllm.endpoint import Endpoint, series_prefix
 from kvredis.vllm.engine import cache_identity
-from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec, stored_plan, token_list
+from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec, resume_end, stored_plan, token_list
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,7 +52,7 @@ _NOT_YET = object()
 @dataclass
 class _Prefill:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one list per KV cache group
     computed: int
     context: str
     entry_id: str | None
@@ -76,7 +77,7 @@ class _RequestState:
     announcement: _Announcement | None
     transfer_params: bool = False  # the request carried kv_transfer_params (a proxy's, or a client's own)
     external_stop: int = 0  # the last lookup's answer: positions up to this one can be loaded
-    plan: ChunkPlan | None = None  # the prompt's chunks, hashed at its first lookup
+    plans: tuple[ChunkPlan, ...] = ()  # the prompt's chunks in each series, hashed at its first lookup
     lookup: Future[int | None] | None = None  # a lookup Redis has not answered yet
     counted: bool = False  # its lookup is in the counters (vLLM may ask again while the request waits)
 
@@ -95,6 +96,8 @@ class KVRedisScheduler:
         # A shared prefix cache (reuse): any engine, a prefill too, loads what Redis holds of a prompt.
         self._loads = consumer or self.config.reuse
         self._kv_layers = kv_layers
+        # Where a reader may resume: anywhere, or at a Mamba state's block boundaries.
+        self._step = resume_step(endpoint.series, self.transfers.chunk_tokens)
         self._multimodal_hashed = multimodal_hashed
         self._lookups_paused_until = 0.0
         self._lookups_failing = False  # warned about; said again only once Redis answers again
@@ -113,9 +116,11 @@ class KVRedisScheduler:
         self._warned: set[tuple[str, ...]] = set()
         parallel = vllm_config.parallel_config
         # Every rank's key prefix: the scheduler releases an unused announced transfer's shards itself.
-        self._shards = [KeySpace(self.config.namespace, cache_identity(vllm_config, tp, pp)).prefix
+        tags = [series.tag for series in endpoint.series] or [""]
+        self._shards = [series_prefix(KeySpace(self.config.namespace,
+                                               cache_identity(vllm_config, tp, pp)).prefix, tag)
                         for pp in range(int(parallel.pipeline_parallel_size))
-                        for tp in range(int(parallel.tensor_parallel_size))]
+                        for tp in range(int(parallel.tensor_parallel_size)) for tag in tags]
         self.discards = Discards(self.transfers, self.counts, self.config.pop_timeout_s)
 
     # -- lookups and loads ------------------------------------------------------------------------
@@ -129,7 +134,7 @@ class KVRedisScheduler:
         tokens = token_list(request.prompt_token_ids)
         if not tokens:
             return 0, False
-        loadable = len(tokens) - 1
+        loadable = resume_end(len(tokens), self._step)
         if loadable <= num_computed_tokens:
             return 0, False
         announcement = state.announcement
@@ -146,8 +151,8 @@ class KVRedisScheduler:
             if stored is None:
                 return 0, False  # the lookup failed or was skipped: nothing is stored, as far as we know
             assert isinstance(stored, int)
-            # Chunks found without an announcement: a prefix of the prompt, maybe all of it.
-            found = min(loadable, stored * self.transfers.chunk_tokens)
+            # Found without an announcement: a prefix of the prompt, maybe all of it.
+            found = min(loadable, stored)
             if not state.counted:
                 state.counted = True
                 amounts = {"lookup_tokens": loadable - num_computed_tokens,
@@ -163,13 +168,12 @@ class KVRedisScheduler:
         return loadable - num_computed_tokens, True
 
     def _look_up(self, req_id: str, state: _RequestState, tokens: list[int]) -> int | None:
-        """How many of the prompt's chunks Redis holds from the first (the lookup thread's task); ``None``
-        if lookups are paused or this one failed (counted, warned about, and lookups paused)."""
+        """How many of the prompt's positions a reader can take from Redis (the lookup thread's task);
+        ``None`` if lookups are paused or this one failed (counted, warned about, and lookups paused)."""
         if time.monotonic() < self._lookups_paused_until:
             return None  # queued behind the lookup that failed
         try:
-            plan = self._plan_of(state, tokens)
-            stored = self.transfers.chunks.stored_prefix(plan.digests, lookup=True)
+            stored = self._stored_positions(self._plans_of(state, tokens))
         except Exception as exc:  # any failure means "nothing stored", never a dead engine
             self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
             self.endpoint.metrics.miss("error")
@@ -200,11 +204,43 @@ class KVRedisScheduler:
         state.lookup = None  # asked again later (the request may wait for room), Redis is asked again
         return lookup.result()
 
-    def _plan_of(self, state: _RequestState, tokens: list[int]) -> ChunkPlan:
-        """The prompt's chunks, hashed once per request (the scheduler may ask about it every step)."""
-        if state.plan is None:
-            state.plan = stored_plan(self.transfers, tokens, state.context)
-        return state.plan
+    def _plans_of(self, state: _RequestState, tokens: list[int]) -> tuple[ChunkPlan, ...]:
+        """The prompt's chunks in each series, hashed once per request (the scheduler may ask about it every
+        step)."""
+        if not state.plans:
+            state.plans = tuple(stored_plan(store, tokens, state.context) for store in self.endpoint.stores)
+        return state.plans
+
+    def _stored_positions(self, plans: tuple[ChunkPlan, ...]) -> int:
+        """The longest prefix of the prompt a reader can resume after from what Redis holds: the full
+        attention chunks from the first without a gap, and, for a hybrid model, every block each window
+        attends to from there (tried at the chunks' end and the two chunk boundaries before it)."""
+        series = self.endpoint.series
+        stores = self.endpoint.stores
+        top = plans[0].num_tokens
+        if not series or series[0].whole:
+            chunks = stores[0].chunks.stored_prefix(plans[0].digests, lookup=True)
+            top = min(top, chunks * stores[0].chunk_tokens)
+            if len(plans) == 1:
+                return top
+        top = top // self._step * self._step
+        step = self.transfers.chunk_tokens
+        candidates = [top, *range((top - 1) // step * step, 0, -step)][:3]
+        windows = [(s, store, plan) for s, store, plan in zip(series, stores, plans, strict=True)
+                   if not s.whole]
+        wanted: list[list[set[int]]] = []  # for each window series, for each candidate: its blocks
+        for window, store, _ in windows:
+            size = store.chunk_tokens
+            wanted.append([set(range(window.needed(at) // size, -(-at // size))) for at in candidates])
+        present: list[set[int]] = []
+        for (_, store, plan), per_candidate in zip(windows, wanted, strict=True):
+            indexes = sorted(set().union(*per_candidate))
+            there = store.chunks.present([plan.digests[i] for i in indexes], lookup=True)
+            present.append({index for index, found in zip(indexes, there, strict=True) if found})
+        for position, at in enumerate(candidates):
+            if all(blocks[position] <= found for blocks, found in zip(wanted, present, strict=True)):
+                return at
+        return 0
 
     def _state_of(self, request: Any) -> _RequestState:
         """The request's state, made at its first lookup (on the producer too: it decides the save)."""
@@ -288,10 +324,11 @@ class KVRedisScheduler:
                 self._discard_announced(request, state)
             return
         tokens = token_list(request.prompt_token_ids)
-        stop = state.external_stop if state is not None and state.external_stop else len(tokens) - 1
+        stop = (state.external_stop if state is not None and state.external_stop
+                else resume_end(len(tokens), self._step))
         announcement = state.announcement if state is not None else None
         self._pending_loads[req_id] = TransferSpec(
-            req_id, tokens, list(blocks.get_block_ids()[0]), stop - num_external_tokens, stop,
+            req_id, tokens, [list(ids) for ids in blocks.get_block_ids()], stop - num_external_tokens, stop,
             context=state.context if state is not None else "",
             entry_id=announcement.entry_id if announcement is not None else None,
         )
@@ -335,7 +372,8 @@ class KVRedisScheduler:
             if state.remote_decode or self.config.store_all_prompts or self.config.reuse:
                 self._stored_any = True
                 self._prefills[new.req_id] = _Prefill(
-                    token_list(new.prompt_token_ids), list(new.block_ids[0]), int(new.num_computed_tokens),
+                    token_list(new.prompt_token_ids), [list(ids) for ids in new.block_ids],
+                    int(new.num_computed_tokens),
                     state.context, new_entry_id() if state.remote_decode else None)
             elif not self._stored_any and not state.transfer_params:
                 # vLLM's offline flow (its LLM class, no proxy): no request asks for a remote decode, so
@@ -354,18 +392,32 @@ class KVRedisScheduler:
                 continue
             new_blocks = cached.new_block_ids[index]
             if req_id in getattr(cached, "resumed_req_ids", ()):
-                prefill.block_ids = list(new_blocks[0]) if new_blocks else []
+                prefill.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
             elif new_blocks:
-                prefill.block_ids.extend(new_blocks[0])
+                for group, ids in zip(prefill.block_ids, new_blocks, strict=True):
+                    group.extend(ids)
             prefill.computed = int(cached.num_computed_tokens[index])
         saves = []
+        # The block tables as they are now (vLLM 0.32+): a window's freed blocks and a state's moves show
+        # there, not in the blocks appended step by step.
+        tables = getattr(scheduler_output, "kv_connector_block_state", None)
         for req_id, prefill in list(self._prefills.items()):
             scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if scheduled and prefill.computed + scheduled >= len(prefill.token_ids):
-                saves.append(TransferSpec(req_id, prefill.token_ids, prefill.block_ids, 0,
-                                          len(prefill.token_ids), prefill.context, prefill.entry_id))
-                self._saved[req_id] = prefill.entry_id
-                del self._prefills[req_id]
+            if not scheduled or prefill.computed + scheduled < len(prefill.token_ids):
+                continue
+            del self._prefills[req_id]
+            if self._step > 1 and prefill.computed != resume_end(len(prefill.token_ids), self._step):
+                # A Mamba state is kept at the prompt's last block boundary only if this step starts there;
+                # without it no reader could resume, so nothing is stored (nor announced).
+                self._warn_once(("state",), "request %s: its prefill's last step started at position %d, not "
+                                "at the prompt's last block boundary: its Mamba state there is gone, so it "
+                                "is not stored", req_id, prefill.computed)
+                continue
+            current = tables.get_block_ids(req_id) if tables is not None else None
+            block_ids = [list(ids) for ids in current] if current else prefill.block_ids
+            saves.append(TransferSpec(req_id, prefill.token_ids, block_ids, 0, len(prefill.token_ids),
+                                      prefill.context, prefill.entry_id, computed=prefill.computed))
+            self._saved[req_id] = prefill.entry_id
         return saves
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -373,7 +425,7 @@ class KVRedisScheduler:
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             self._loading.discard(req_id)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request whose load is still writing; announce a saved prompt; release an
         announced transfer the request ended without loading."""
         req_id = request.request_id

@@ -30,14 +30,25 @@ from kvredis.chunk_keys import ChunkPlan
 from kvredis.chunk_store import PageFormat
 from kvredis.errors import KVRedisError
 from kvredis.paged import PagedLayout, block_span
+from kvredis.transfer import Saved, Transfers
+from kvredis.vllm.cache_groups import FULL, STATE, Series, resume_step
 from kvredis.vllm.discards import Discards
 from kvredis.vllm.endpoint import Endpoint
-from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec, stored_plan
+from kvredis.vllm.metadata import (
+    KVRedisConnectorMetadata,
+    TransferSpec,
+    resume_end,
+    series_plan,
+    stored_blocks,
+)
 
 logger = logging.getLogger("kvredis.vllm")
 
 SHUTDOWN_WAIT_S = 30.0
 """How long shutdown waits for saves in flight, and sleep for loads writing into the caches."""
+_NULL_BLOCK = 0
+"""vLLM's null block (its block pool's first, never allocated): what a request's block table holds where a
+window freed a block. Never stored, never written."""
 
 
 @dataclass
@@ -93,16 +104,20 @@ class _CacheWrites:
 class KVRedisWorker:
     """The worker-side half of :class:`~kvredis.vllm.KVRedisConnector` (one per tensor/pipeline rank)."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, *, groups: int = 1) -> None:
         self.endpoint = endpoint
+        # Block ids name blocks of one KV cache group: with several, a failed load is reported by request.
+        self._per_request_failures = groups > 1
+        self._series: tuple[Series, ...] = endpoint.series
         self.config = endpoint.config
         self.transfers = endpoint.transfers
         self.counts = endpoint.counts
         self._block_size = endpoint.block_size
         self._layers: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, PagedLayout] = {}
-        self._layer_index: dict[str, int] = {}
-        self._gathered: dict[str, _Capture] = {}
+        self._layer_index: dict[str, int] = {}  # a layer's row in its series' chunks
+        self._layer_series: dict[str, int] = {}
+        self._gathered: dict[tuple[str, int], _Capture] = {}  # (request, series)
         self._staging: staging.DeviceStaging | None = None  # on a CUDA device; None: pages move directly
         # Loads may wait in a blocking pop for a transfer still being written; saves have their own threads
         # so that waiting loads never hold them up (kv_both), nor saves the loads.
@@ -113,16 +128,27 @@ class KVRedisWorker:
         self._received: set[str] = set()
         self._failed: dict[str, set[int]] = {}
         self._failed_reported: set[str] = set()
+        self._failed_requests: set[str] = set()  # several groups: reported by request
         self._cache_writes = _CacheWrites()
         self.discards = Discards(self.transfers, self.counts, self.config.pop_timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Remember each layer's paged tensor and its layout (the order is the layer order), and how pages
+        """Remember each stored layer's paged tensor and its layout (in its series' order), and how pages
         move on their device: directly on the CPU, through pinned buffers on side streams on a GPU."""
-        self._layers = dict(kv_caches)
-        self._layouts = {name: PagedLayout.of(tensor) for name, tensor in kv_caches.items()}
-        self._layer_index = {name: index for index, name in enumerate(self._layers)}
-        device = staging.device_for(kv_caches)
+        if not self._series:  # no KV cache configuration given: every layer is one full-attention group's
+            names = tuple(kv_caches)
+            self._series = (Series("", FULL, 0, (0,), names, (0,) * len(names)),)
+        self._layers = {name: kv_caches[name] for series in self._series for name in series.layers}
+        self._layouts = {name: PagedLayout.of(tensor) for name, tensor in self._layers.items()}
+        self._layer_index, self._layer_series = {}, {}
+        for number, series in enumerate(self._series):
+            shapes = {(self._layouts[name], self._layers[name].dtype) for name in series.layers}
+            if len(shapes) > 1:
+                raise KVRedisError(f"the layers of one KV cache kind have pages of several shapes: {shapes}")
+            for row, name in enumerate(series.layers):
+                self._layer_index[name] = row
+                self._layer_series[name] = number
+        device = staging.device_for(self._layers)
         self._staging = staging.DeviceStaging(device) if device is not None else None
 
     def start_load_kv(self, meta: KVRedisConnectorMetadata) -> None:
@@ -148,15 +174,19 @@ class KVRedisWorker:
         index = self._layer_index.get(layer_name)
         if index is None:  # not a layer registered with a paged cache
             return
+        number = self._layer_series[layer_name]
+        series = self._series[number]
+        group = series.layer_groups[index]
         layout = self._layouts[layer_name]
         staged: list[tuple[TransferSpec, torch.Tensor, _Capture]] = []
         for spec in meta.saves:
-            pages = layout.kernel_blocks(self._prompt_blocks(spec), self._block_size)
-            capture = self._gathered.get(spec.req_id)
+            pages = self._pages(number, layout, self._saved_blocks(spec, number, group))
+            capture = self._gathered.get((spec.req_id, number))
             if capture is None:
-                # One buffer for every layer: the pages are copied once, straight into what is stored.
-                shape = (len(self._layer_index), len(pages), *layout.page_shape)
-                capture = self._gathered[spec.req_id] = _Capture(self._host_empty(shape, kv_layer.dtype))
+                # One buffer for the series' layers: the pages are copied once, straight into what is stored.
+                shape = (len(series.layers), len(pages), *layout.page_shape)
+                capture = _Capture(self._host_empty(shape, kv_layer.dtype))
+                self._gathered[spec.req_id, number] = capture
             if self._staging is not None:
                 staged.append((spec, pages, capture))
                 continue
@@ -195,16 +225,41 @@ class KVRedisWorker:
             for _, _, capture in staged:
                 capture.layers.add(layer_name)
 
-    def _prompt_blocks(self, spec: TransferSpec) -> list[int]:
-        return [spec.block_ids[i] for i in block_span(self._block_size, spec.start, spec.stop)]
+    @property
+    def _step(self) -> int:
+        return resume_step(self._series, self.transfers.chunk_tokens)
+
+    def _stored_range(self, spec: TransferSpec, number: int) -> range:
+        """The blocks (indexes into the request's block table) a save stores of series ``number``."""
+        return stored_blocks(self._series[number], len(spec.token_ids), spec.computed,
+                             self.transfers.chunk_tokens, self._block_size, self._step)
+
+    def _saved_blocks(self, spec: TransferSpec, number: int, group: int) -> list[int]:
+        """The block ids of group ``group`` a save stores of series ``number``."""
+        table = spec.block_ids[group]
+        blocks = [table[i] for i in self._stored_range(spec, number)]
+        if not self._series[number].whole and _NULL_BLOCK in blocks:
+            # vLLM freed a block the window or state still needs (never, by its arithmetic): nothing rather
+            # than a block of someone else's.
+            raise KVRedisError(f"a {self._series[number].kind} block of the prompt was freed before its save")
+        return blocks
+
+    def _pages(self, number: int, layout: PagedLayout, block_ids: list[int]) -> torch.Tensor:
+        """The pages of ``block_ids`` in series ``number``'s layers: a state layer has one a block, whatever
+        its tensor's shape says; an attention layer's block may be several kernel blocks."""
+        if self._series[number].kind == STATE:
+            return torch.tensor(block_ids, dtype=torch.long)
+        return layout.kernel_blocks(block_ids, self._block_size)
 
     def wait_for_save(self, meta: KVRedisConnectorMetadata) -> None:
         """Hand each saved prompt to a writer thread; the step does not wait for Redis."""
-        captured: list[tuple[TransferSpec, torch.Tensor]] = []
+        captured: list[tuple[TransferSpec, list[torch.Tensor]]] = []
         for spec in meta.saves:
-            capture = self._gathered.pop(spec.req_id, None)
+            captures = [self._gathered.pop((spec.req_id, number), None)
+                        for number in range(len(self._series))]
             try:
-                captured.append((spec, self._whole_capture(spec, capture)))
+                captured.append((spec, [self._whole_capture(spec, number, capture)
+                                        for number, capture in enumerate(captures)]))
             except Exception as exc:  # a save that cannot be made must not fail the engine's step
                 self.counts.add(save_failures=1)
                 logger.warning("request %s: cannot copy its KV out of the caches, not saving it: %s",
@@ -217,30 +272,32 @@ class KVRedisWorker:
                 self._saves_in_flight.add(future)
             future.add_done_callback(self._forget_save)
 
-    def _whole_capture(self, spec: TransferSpec, capture: _Capture | None) -> torch.Tensor:
-        """Every layer's pages of the prompt: those ``save_kv_layer`` copied, and the rest copied now from
-        the registered caches (a full CUDA graph or a compiled region runs no per-layer hook; the step's
-        blocks cannot be reused before this call returns)."""
+    def _whole_capture(self, spec: TransferSpec, number: int, capture: _Capture | None) -> torch.Tensor:
+        """Every layer's pages of the prompt in series ``number``: those ``save_kv_layer`` copied, and the
+        rest copied now from the registered caches (a full CUDA graph or a compiled region runs no per-layer
+        hook; the step's blocks cannot be reused before this call returns)."""
         if capture is not None and capture.broken:
             raise KVRedisError("a layer's pages differ in shape from the first layer's")
-        names = list(self._layer_index)
-        if not names:
+        series = self._series[number]
+        names = list(series.layers)
+        if not names or not self._layers:
             raise KVRedisError("no KV caches registered")
         if capture is not None and len(capture.layers) == len(names):
             return capture.pages
         first = self._layouts[names[0]]
-        pages = first.kernel_blocks(self._prompt_blocks(spec), self._block_size)
-        if capture is None:
-            shape = (len(names), len(pages), *first.page_shape)
-            capture = _Capture(self._host_empty(shape, self._layers[names[0]].dtype))
         for index, name in enumerate(names):
-            if name in capture.layers:
+            if capture is not None and name in capture.layers:
                 continue
+            pages = self._pages(number, first, self._saved_blocks(spec, number, series.layer_groups[index]))
+            if capture is None:
+                shape = (len(names), len(pages), *first.page_shape)
+                capture = _Capture(self._host_empty(shape, self._layers[names[0]].dtype))
             if self._staging is not None:
                 # Queued on the save stream behind what the step's forward (a graph replay) queued.
                 self._staging.save_layer(self._layers[name], [(pages, capture.pages[index])])
             else:
                 capture.pages[index].copy_(self._layouts[name].gather(self._layers[name], pages))
+        assert capture is not None
         return capture.pages
 
     def _forget_save(self, future: Future[None]) -> None:
@@ -251,18 +308,25 @@ class KVRedisWorker:
         """Binds a background thread to the caches' device (a no-op on the CPU)."""
         return self._staging.bound() if self._staging is not None else nullcontext()
 
-    def _save(self, spec: TransferSpec, pages: torch.Tensor, copied: staging.Transfer | None,
+    def _save(self, spec: TransferSpec, captured: list[torch.Tensor], copied: staging.Transfer | None,
               handed_at: float) -> None:
         started = time.monotonic()
         try:
             with self._on_device():
                 if copied is not None:
-                    copied.wait()  # the step's copies into ``pages`` ran (this thread waits, not the engine)
-                plan = stored_plan(self.transfers, spec.token_ids, spec.context)
-                per_block = pages.shape[1] // max(len(self._prompt_blocks(spec)), 1)
-                stored = -(-plan.num_tokens // self._block_size) * per_block  # the last token's block may go
-                saved = self.transfers.save(plan, pages[:, :stored], transfer_id=spec.entry_id,
-                                            pages_per_block=per_block)
+                    copied.wait()  # the step's copies into the pages ran (this thread waits, not the engine)
+                saved = Saved()
+                end = resume_end(len(spec.token_ids), self._step)
+                for number, (store, pages) in enumerate(zip(self.endpoint.stores, captured, strict=True)):
+                    blocks = self._stored_range(spec, number)
+                    if not blocks:
+                        continue
+                    plan = series_plan(self._series[number], store, spec.token_ids, spec.context, blocks, end)
+                    part = store.save(plan, pages, transfer_id=spec.entry_id,
+                                      pages_per_block=pages.shape[1] // len(blocks))
+                    saved.written += part.written
+                    saved.present += part.present
+                    saved.nbytes += part.nbytes
         except KVRedisError as exc:
             self.counts.add(save_failures=1)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
@@ -310,78 +374,114 @@ class KVRedisWorker:
 
     def _load_failed(self, spec: TransferSpec, cause: str, loaded: int | None = None) -> None:
         """Report the request's blocks from position ``loaded`` on (default: all it was to load) as not
-        loaded: vLLM recomputes from the first of them (or fails the request). Never raises."""
-        loaded = spec.start if loaded is None else max(spec.start, loaded)
-        try:
-            blocks = {spec.block_ids[i] for i in block_span(self._block_size, loaded, spec.stop)}
-        except Exception:  # page arithmetic that cannot hold: every block of the request is suspect
-            blocks = set(spec.block_ids)
+        loaded: vLLM recomputes from the first of them (or fails the request); with several KV cache groups,
+        the request is reported and recomputed whole. Never raises."""
+        loaded = spec.start if loaded is None or self._per_request_failures else max(spec.start, loaded)
+        blocks: set[int] = set()
+        if not self._per_request_failures:
+            try:
+                blocks = {spec.block_ids[0][i] for i in block_span(self._block_size, loaded, spec.stop)}
+            except Exception:  # page arithmetic that cannot hold: every block of the request is suspect
+                blocks = set(spec.block_ids[0]) if spec.block_ids else set()
         with self._lock:
-            self._failed[spec.req_id] = blocks
+            if self._per_request_failures:
+                self._failed_requests.add(spec.req_id)
+            else:
+                self._failed[spec.req_id] = blocks
             self.counts.add(load_failures=1, failed_tokens=spec.stop - loaded,
                             loaded_tokens=loaded - spec.start)
         logger.warning("request %s: KV of %d tokens not loaded from Redis (%s); vLLM recomputes them",
                        spec.req_id, spec.stop - loaded, cause)
 
-    def _page_format(self) -> PageFormat:
-        """The pages this engine's caches hold: what a chunk must carry to be written into them."""
-        names = list(self._layers)
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed since the last call, reported by request (several KV cache groups)."""
+        with self._lock:
+            failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
+    def _page_format(self, number: int = 0) -> PageFormat:
+        """The pages series ``number``'s layers hold: what its chunks must carry to be written into them."""
+        names = self._series[number].layers
         layout = self._layouts[names[0]]
-        return PageFormat(self._layers[names[0]].dtype, len(names), layout.page_shape,
-                          self._block_size // layout.kernel_block_size)
+        per_block = 1 if self._series[number].kind == STATE else self._block_size // layout.kernel_block_size
+        return PageFormat(self._layers[names[0]].dtype, len(names), layout.page_shape, per_block)
 
     def _load_into_blocks(self, spec: TransferSpec,
                           after: staging.Event | None = None) -> tuple[str | None, int]:
-        """Read the chunks covering the request's external positions and write their pages into its blocks;
-        returns why not all of them (``None``: all), and the position up to which the blocks hold loaded KV
-        (on a GPU, once the copies ran: the request is reported finished only then)."""
+        """Read the chunks covering the request's external positions, in every series (a window's from the
+        first position it attends to), and write their pages into its blocks; returns why not all of them
+        (``None``: all), and the position up to which the blocks hold loaded KV (on a GPU, once the copies
+        ran: the request is reported finished only then)."""
         if not self._layers:
             return "no KV caches registered", spec.start
         started = time.perf_counter()
-        plan = stored_plan(self.transfers, spec.token_ids, spec.context)
-        taken = self.transfers.take(plan, spec.start, spec.stop, self._page_format(),
-                                    transfer_id=spec.entry_id)
-        loaded = min(spec.stop, taken.stop(plan)) if taken.chunks else spec.start
-        if taken.chunks:
-            self._write_chunks(spec, plan, taken.first, taken.chunks, loaded, after)
-            self.endpoint.metrics.loaded(taken.nbytes, time.perf_counter() - started)
-            self.counts.add(loaded_bytes=taken.nbytes)
-        if taken.cause == "hit":
-            return None, spec.stop
-        miss = "absent" if taken.cause == "late" else taken.cause  # a record not there in time: absent
+        causes: list[str] = []
+        loaded_to, nbytes, late = spec.stop, 0, False
+        for number, (series, store) in enumerate(zip(self._series, self.endpoint.stores, strict=True)):
+            if late:  # its record would not come either: released if it ever lands
+                assert spec.entry_id is not None
+                self.discards.submit(spec.req_id, spec.entry_id, store.prefix)
+                continue
+            first = spec.start if series.whole else max(spec.start, series.needed(spec.stop))
+            blocks = range(first // self._block_size, -(-spec.stop // self._block_size))
+            plan = series_plan(series, store, spec.token_ids, spec.context, blocks, spec.stop)
+            taken = store.take(plan, first, spec.stop, self._page_format(number), transfer_id=spec.entry_id)
+            loaded = min(spec.stop, taken.stop(plan)) if taken.chunks else first
+            if taken.chunks:
+                self._write_chunks(spec, number, plan, taken.first, taken.chunks, first, loaded, after)
+                nbytes += taken.nbytes
+            if taken.cause != "hit":
+                late = taken.cause == "late"
+                causes.append(self._missed(spec, store, taken.cause, loaded))
+                # A window's blocks are needed together: without all of them, none counts.
+                loaded_to = min(loaded_to, loaded if series.whole else spec.start)
+        if nbytes:
+            self.endpoint.metrics.loaded(nbytes, time.perf_counter() - started)
+            self.counts.add(loaded_bytes=nbytes)
+        return ("; ".join(causes), loaded_to) if causes else (None, spec.stop)
+
+    def _missed(self, spec: TransferSpec, store: Transfers, cause: str, loaded: int) -> str:
+        """Count a take that did not get everything, and say why."""
+        miss = "absent" if cause == "late" else cause  # a record not there in time: absent
         known = ("absent", "corrupt", "foreign", "partial")
         self.endpoint.metrics.miss(miss if miss in known else "mismatch")
-        if taken.cause == "late":
+        if cause == "late":
             assert spec.entry_id is not None
             # Announced but not written in time (a stalled prefill): released if it lands within a pop bound.
-            self.discards.submit(spec.req_id, spec.entry_id, self.endpoint.keyspace.prefix)
-            awaited = self.transfers.record_key(spec.entry_id)
-            return (f"no transfer record within {self.config.pop_timeout_s:g} s at {awaited} (missing, "
-                    "expired or evicted)"), spec.start
-        return f"its chunks end at position {loaded} ({taken.cause})", loaded
+            self.discards.submit(spec.req_id, spec.entry_id, store.prefix)
+            return (f"no transfer record within {self.config.pop_timeout_s:g} s at "
+                    f"{store.record_key(spec.entry_id)} (missing, expired or evicted)")
+        return f"its chunks end at position {loaded} ({cause})"
 
-    def _write_chunks(self, spec: TransferSpec, plan: ChunkPlan, first: int, chunks: list[torch.Tensor],
-                      loaded: int, after: staging.Event | None) -> None:
-        """Write the pages of the blocks holding positions ``spec.start..loaded-1`` into the request's
-        blocks, from ``chunks`` (chunk ``first`` on). Blocks before ``spec.start`` are the local prefix
-        cache's, shared with other requests: never written."""
-        names = list(self._layers)
+    def _write_chunks(self, spec: TransferSpec, number: int, plan: ChunkPlan, first: int,
+                      chunks: list[torch.Tensor], start: int, loaded: int,
+                      after: staging.Event | None) -> None:
+        """Write series ``number``'s pages of the blocks holding positions ``start..loaded-1`` into the
+        request's blocks (each layer's group's), from ``chunks`` (the plan's chunk ``first`` on). Blocks
+        before ``spec.start`` are the local prefix cache's, shared with other requests: never written."""
+        series = self._series[number]
+        names = series.layers
         layout = self._layouts[names[0]]
-        blocks = list(block_span(self._block_size, spec.start, loaded))
-        offset = first * (plan.chunk_tokens // self._block_size)  # the block the first chunk starts at
+        blocks = list(block_span(self._block_size, start, loaded))
+        offset = (plan.first + first) * (plan.chunk_tokens // self._block_size)  # the first chunk's block
         stored = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
-        sources = layout.kernel_blocks([block - offset for block in blocks], self._block_size)
-        targets = layout.kernel_blocks([spec.block_ids[block] for block in blocks], self._block_size)
+        sources = self._pages(number, layout, [block - offset for block in blocks])
         with self._cache_writes.writing():  # held until the copies ran: vLLM may release the caches after
-            if self._staging is None:
-                for index, name in enumerate(names):
-                    self._layouts[name].scatter(self._layers[name], targets, stored[index, sources])
-            else:
+            for group in series.groups:
+                ids = [spec.block_ids[group][block] for block in blocks]
+                if _NULL_BLOCK in ids:
+                    raise KVRedisError(f"block {_NULL_BLOCK} (vLLM's null block) among the blocks to load")
+                targets = self._pages(number, layout, ids)
+                rows = [row for row, owner in enumerate(series.layer_groups) if owner == group]
+                if self._staging is None:
+                    for row in rows:
+                        name = names[row]
+                        self._layouts[name].scatter(self._layers[name], targets, stored[row, sources])
+                    continue
                 # One contiguous pinned range a layer, copied to the device without a pageable intermediate.
-                shape = (len(names), len(sources), *layout.page_shape)
-                pinned = self._staging.host_empty(shape, stored.dtype)
-                pinned.copy_(stored[:, sources])
-                self._staging.load([(self._layers[name], pinned[index]) for index, name in enumerate(names)],
+                pinned = self._staging.host_empty((len(rows), len(sources), *layout.page_shape), stored.dtype)
+                pinned.copy_(stored[rows][:, sources])
+                self._staging.load([(self._layers[names[row]], pinned[i]) for i, row in enumerate(rows)],
                                    targets, after)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -118,7 +118,7 @@ def checkout_env() -> dict[str, str]:
 def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any] | None,
                  single_process: bool = False, tensor_parallel: int = 1, *, serve: bool = False,
                  block_size: int = BLOCK_SIZE, max_model_len: int = 2048,
-                 extra_args: Sequence[str] = ()) -> Server:
+                 extra_args: Sequence[str] = (), dtype: str = "float32") -> Server:
     """Start an engine. ``single_process`` runs its worker inside the engine core process (one process
     less to start on 2 cores); the engines with the connector keep vLLM's default processes.
     ``tensor_parallel`` > 1 shards the model over that many worker processes. ``serve`` starts it as
@@ -131,7 +131,7 @@ def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any]
         args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
     else:
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    args += ["--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
+    args += ["--port", str(port), "--host", "127.0.0.1", "--dtype", dtype, "--enforce-eager",
              "--max-model-len", str(max_model_len), "--block-size", str(block_size), "--seed", "0",
              "--enable-prompt-tokens-details", *extra_args]
     if kv_config is not None:
@@ -161,6 +161,13 @@ class NamespaceKeys:
                           if key != tally_key(self.namespace).encode())
         finally:
             client.close()
+
+    def assert_no_keys(self, timeout_s: float = 30.0) -> None:
+        """No key is left (unused announced entries are deleted in the background: wait, briefly)."""
+        deadline = time.monotonic() + timeout_s
+        while self.stored_keys():
+            assert time.monotonic() < deadline, f"keys left in Redis: {self.stored_keys()}"
+            time.sleep(0.05)
 
     def delete_keys(self) -> None:
         """Delete every key of the namespace (a failed test's, so that it does not fail the next ones)."""

@@ -225,11 +225,15 @@ class Engine:
         return params
 
     def wait_saved(self) -> None:
-        """Until the writer threads stored every entry handed to them."""
+        """Until the writer threads stored every entry handed to them; their counts join ``stats`` (vLLM
+        would collect them at its next step)."""
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while self.worker.worker._saves_in_flight:
             assert time.monotonic() < deadline, "a save did not finish"
             time.sleep(0.002)
+        late = self.worker.get_kv_connector_stats()
+        if late is not None:
+            self.stats.update(late.reduce())
 
     def wait_loaded(self, req_id: str) -> None:
         """Until the request's load has finished, no step run: finished on its thread (reported with the next
@@ -1223,10 +1227,11 @@ def test_a_fail_load_policy_is_warned_about_at_start_up(make_engine, caplog) -> 
 
 
 def test_configurations_the_pages_cannot_express_are_refused() -> None:
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, SlidingWindowSpec
 
     from kvredis.errors import ConfigError
     from kvredis.vllm import refuse_unsupported
+    from kvredis.vllm.cache_groups import cache_series
 
     def config(dcp: int = 1, pcp: int = 1) -> Any:
         return SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=dcp,
@@ -1242,14 +1247,18 @@ def test_configurations_the_pages_cannot_express_are_refused() -> None:
         refuse_unsupported(config(dcp=2), one)
     with pytest.raises(ConfigError, match=r"-pcp"):
         refuse_unsupported(config(pcp=2), one)
+    # Kinds of layers kvredis cannot store are refused when their series are made.
+    cross = CrossAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=WIDTH // 2,
+                               dtype=torch.float32)
+    encoder_decoder = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["x"], cross)])
+    refuse_unsupported(config(), encoder_decoder)
+    with pytest.raises(ConfigError, match="CrossAttentionSpec"):
+        cache_series(encoder_decoder)
     hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window)])
-    with pytest.raises(ConfigError, match="one KV cache group"):
-        refuse_unsupported(config(), hybrid)
-    windowed = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["b"], window)])
-    with pytest.raises(ConfigError, match="SlidingWindowSpec"):
-        refuse_unsupported(config(), windowed)
+        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window), KVCacheGroupSpec(["c"], window)])
+    assert [(s.tag, s.kind, s.layers, s.layer_groups) for s in cache_series(hybrid)] == [
+        ("", "full", ("a",), (0,)), ("w128", "window", ("b", "c"), (1, 2))]
 
 
 def test_no_exception_escapes_a_load_without_its_blocks_reported(make_engine, monkeypatch) -> None:

@@ -71,13 +71,6 @@ class Serving(Disaggregated):
     dead_decode_proxy: Proxy  # in front of the prefill and a decode address that refuses connections
     adapters: list[str] = field(default_factory=list)
 
-    def assert_no_keys(self, timeout_s: float = 30.0) -> None:
-        """No key is left (unused announced entries are deleted in the background: wait, briefly)."""
-        deadline = time.monotonic() + timeout_s
-        while self.stored_keys():
-            assert time.monotonic() < deadline, f"keys left in Redis: {self.stored_keys()}"
-            time.sleep(0.05)
-
     def client(self, server: Server | Proxy) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S,
                              max_retries=0)

@@ -1,0 +1,407 @@
+"""Hybrid KV caches under vLLM's real V1 ``Scheduler`` (hybrid KV cache manager on): full attention beside a
+sliding window (a Gemma 3 / gpt-oss shape) and beside a Mamba state group (a Qwen3-Next / Qwen3.5 shape).
+
+Each "engine" is a real ``Scheduler`` over a ``KVCacheConfig`` with several groups, plus a worker-role
+``KVRedisConnector`` holding one paged tensor a layer. :meth:`HybridEngine.step` plays the model runner: every
+scheduled token's KV is a function of its id, position and layer, written into the block its group's table
+gives; a state layer's running slot gets a digest of every token so far. So the decode's blocks can be checked
+value by value against what they must hold: the full layer at every position it loaded, the window layer over
+the window before the resume position, the state layer at the resume position, and nothing else written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
+
+import redis
+import torch
+from conftest import BLOCK_SIZE
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvredis.tally import tally_key
+from kvredis.vllm import KVRedisConnector
+
+HEADS, WIDTH = 2, 128
+STATE_WIDTH = 64  # floats of a state slot
+WINDOW = 2 * BLOCK_SIZE + 5  # not a multiple of the block: the window's first block is partly outside
+NUM_BLOCKS = 96
+MAX_LEN = 1024
+TOKEN_BUDGET = 96
+SAMPLED = 7
+STEP_TIMEOUT_S = 10.0
+FULL, SLIDING = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
+STATE = "model.layers.2.linear_attn"
+
+init_none_hash(sha256)
+
+
+def kv_values(tokens: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    lane = torch.arange(HEADS * WIDTH, dtype=torch.float32).reshape(1, HEADS, WIDTH)
+    return (tokens.float().reshape(-1, 1, 1) + positions.float().reshape(-1, 1, 1) / 1024.0
+            + lane / 65536.0 + layer * 2048.0)
+
+
+def state_after(tokens: list[int]) -> torch.Tensor:
+    """The fake recurrent state after ``tokens``: depends on every one of them, and on their count."""
+    generator = torch.Generator().manual_seed(hash(tuple(tokens)) & 0x7FFFFFFF)
+    return torch.rand(STATE_WIDTH, generator=generator) + len(tokens)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 1024, (length,), generator=generator).tolist()
+
+
+def attention_spec(window: int | None) -> Any:
+    common = {"block_size": BLOCK_SIZE, "num_kv_heads": HEADS, "head_size": WIDTH // 2,
+              "dtype": torch.float32}
+    if window is None:
+        return FullAttentionSpec(**common)
+    return SlidingWindowSpec(**common, sliding_window=window)
+
+
+def state_spec() -> MambaSpec:
+    return MambaSpec(block_size=BLOCK_SIZE, shapes=((STATE_WIDTH,),), dtypes=(torch.float32,),
+                     mamba_cache_mode="align")
+
+
+@dataclasses.dataclass
+class HybridEngine:
+    scheduler: Scheduler
+    worker: KVRedisConnector
+    layers: dict[str, torch.Tensor]
+    groups: dict[str, int]  # layer -> its KV cache group
+    redis_url: str
+    namespace: str
+    stats: Counter[str] = dataclasses.field(default_factory=Counter)
+    finished: dict[str, Any] = dataclasses.field(default_factory=dict)
+    failed_recving: set[str] = dataclasses.field(default_factory=set)
+    new_reqs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    scheduled: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    prompts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def connector(self) -> KVRedisConnector:
+        connector = self.scheduler.connector
+        assert isinstance(connector, KVRedisConnector)
+        return connector
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2,
+            params: dict[str, Any] | None = None) -> None:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                  extra_args={"kv_transfer_params": params} if params is not None else None)
+        sampling.update_from_generation_config({}, 2)
+        self.prompts[req_id] = list(prompt)
+        self.scheduler.add_request(Request(
+            request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sampling, pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256), mm_features=None))
+
+    def step(self) -> Any:
+        output = self.scheduler.schedule()
+        worker = self.worker
+        worker.bind_connector_metadata(output.kv_connector_metadata)
+        context = SimpleNamespace(attn_metadata=None, no_compile_layers={})
+        sampled = self._forward(output) if output.total_num_scheduled_tokens else {}
+        worker.start_load_kv(context)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(output.finished_req_ids)
+        invalid = worker.get_block_ids_with_load_errors()
+        assert not invalid, "block-level load errors with several KV cache groups (vLLM raises)"
+        stats = worker.get_kv_connector_stats()
+        worker.clear_connector_metadata()
+        self.failed_recving |= results.failed_recving
+        kv_output = KVConnectorOutput(finished_sending=results.finished_sending or None,
+                                      finished_recving=results.finished_recving or None,
+                                      failed_recving=results.failed_recving, kv_connector_stats=stats)
+        ids = list(sampled)
+        extra = {}
+        if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}:
+            extra["req_id_to_index"] = {rid: i for i, rid in enumerate(ids)}
+        runner_output = ModelRunnerOutput(
+            req_ids=ids, sampled_token_ids=[sampled[rid] for rid in ids], logprobs=None,
+            prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=None if kv_output.is_empty() else kv_output, **extra)
+        for outputs in self.scheduler.update_from_output(output, runner_output).values():
+            if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
+                self.stats.update(outputs.scheduler_stats.kv_connector_stats)
+            for engine_output in outputs.outputs:
+                if engine_output.finish_reason is not None:
+                    self.finished[engine_output.request_id] = engine_output
+        return output
+
+    def _forward(self, output: Any) -> dict[str, list[int]]:
+        """Write each scheduled token's KV where its group's block table says, and the state after the step
+        into the state group's running slot (the block of the step's last position)."""
+        starts = {new.req_id: int(new.num_computed_tokens) for new in output.scheduled_new_reqs}
+        for new in output.scheduled_new_reqs:
+            self.new_reqs.setdefault(new.req_id, new)
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            starts[req_id] = int(cached.num_computed_tokens[i])
+        sampled: dict[str, list[int]] = {}
+        for req_id, count in output.num_scheduled_tokens.items():
+            self.scheduled.setdefault(req_id, []).append(count)
+            request = self.scheduler.requests[req_id]
+            tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            start = starts[req_id]
+            everything = list(request.all_token_ids)
+            positions = torch.arange(start, start + count)
+            tokens = torch.tensor(everything[start:start + count])
+            for index, (name, layer) in enumerate(self.layers.items()):
+                table = torch.tensor(tables[self.groups[name]])
+                if name == STATE:
+                    end = start + count
+                    layer[table[-(-end // BLOCK_SIZE) - 1], 0, 0] = state_after(everything[:end])
+                    continue
+                blocks = table[positions // BLOCK_SIZE]
+                assert not (blocks == 0).any(), "a token's KV written into the null block"
+                layer[blocks, :, positions % BLOCK_SIZE, :] = kv_values(tokens, positions, index)
+            sampled[req_id] = [SAMPLED] if start + count >= request.num_tokens else []
+        for name, layer in self.layers.items():
+            if name != STATE:  # vLLM runs no per-layer hook for a Mamba layer
+                self.worker.save_kv_layer(name, layer, SimpleNamespace())
+        return sampled
+
+    def run(self, until: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not until():
+            assert time.monotonic() < deadline, "the engine did not get there in time"
+            if not self.step().total_num_scheduled_tokens:
+                time.sleep(0.002)
+
+    def finish(self, req_id: str) -> Any:
+        self.run(lambda: req_id in self.finished)
+        return self.finished[req_id]
+
+    def produce(self, req_id: str, prompt: list[int]) -> dict[str, Any]:
+        self.add(req_id, prompt, max_tokens=1, params={"do_remote_decode": True, "do_remote_prefill": False})
+        params = self.finish(req_id).kv_transfer_params
+        self.wait_saved()
+        return params
+
+    def wait_saved(self) -> None:
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while self.worker.worker._saves_in_flight:
+            assert time.monotonic() < deadline, "a save did not finish"
+            time.sleep(0.002)
+        late = self.worker.get_kv_connector_stats()
+        if late is not None:
+            self.stats.update(late.reduce())
+
+    def assert_loaded(self, req_id: str, start: int, stop: int, window: int) -> None:
+        """The decode's blocks hold exactly what the prefill computed: the full layer at ``start..stop-1``,
+        the window layer over the window before ``stop``, the state layer's slot at ``stop``."""
+        tables = self.new_reqs[req_id].block_ids
+        tokens = torch.tensor(self.prompts[req_id])
+        for index, (name, layer) in enumerate(self.layers.items()):
+            table = tables[self.groups[name]]
+            if name == STATE:
+                slot = layer[table[stop // BLOCK_SIZE - 1], 0, 0]
+                assert torch.equal(slot, state_after(self.prompts[req_id][:stop]))
+                continue
+            first = start if name == FULL else max(start, stop - window + 1)
+            positions = torch.arange(first, stop)
+            blocks = torch.tensor([table[p // BLOCK_SIZE] for p in positions.tolist()])
+            got = layer[blocks, :, positions % BLOCK_SIZE, :]
+            assert torch.equal(got, kv_values(tokens[positions], positions, index)), name
+
+    def assert_empty(self) -> None:
+        self.step()
+        s = self.scheduler
+        assert not s.requests and not s.running and len(s.waiting) == 0
+        assert not s.finished_recving_kv_req_ids and not s.failed_recving_kv_req_ids
+        for manager in s.kv_cache_manager.coordinator.single_type_managers:
+            assert not manager.req_to_blocks
+        c = self.connector.scheduler
+        assert c is not None
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while c.discards.pending() or self.worker.worker.discards.pending():
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert not (c._pending_loads or c._loading or c._loaded_once or c._prefills or c._saved)
+        assert not c._requests
+        w = self.worker.worker
+        assert not (w._gathered or w._received or w._failed or w._failed_requests)
+
+
+def redis_keys(url: str, namespace: str) -> list[bytes]:
+    client = redis.Redis.from_url(url)
+    try:
+        return sorted(key for key in client.scan_iter(match=f"{namespace}:*", count=1000)
+                      if key != tally_key(namespace).encode())
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[..., HybridEngine]]:
+    namespace = "t-hybrid-" + uuid.uuid4().hex[:10]
+    engines: list[HybridEngine] = []
+
+    def make(role: str, kinds: tuple[str, ...] = ("full", "window"), window: int = WINDOW,
+             **settings: Any) -> HybridEngine:
+        extra = {"url": real_redis_url, "namespace": namespace, "pop_timeout_s": 2.0, **settings}
+        vllm_config = VllmConfig(
+            model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=TOKEN_BUDGET, max_model_len=MAX_LEN,
+                enable_chunked_prefill=True, is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto",
+                                     enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVRedisConnector", kv_connector_module_path="kvredis.vllm", kv_role=role,
+                kv_connector_extra_config=extra, kv_load_failure_policy="recompute"),
+            device_config=DeviceConfig("cpu"),
+        )
+        vllm_config.cache_config.kv_cache_layout = "LBHNC"
+        vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        names = {"full": FULL, "window": SLIDING, "state": STATE}
+        specs = {"full": attention_spec(None), "window": attention_spec(window), "state": state_spec()}
+        if "state" in kinds:
+            vllm_config.cache_config.mamba_cache_mode = "align"
+        groups = [KVCacheGroupSpec([names[kind]], specs[kind]) for kind in kinds]
+        kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+        scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                              structured_output_manager=StructuredOutputManager(vllm_config),
+                              block_size=BLOCK_SIZE, log_stats=True)
+        worker = KVRedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        caches = {names[kind]: torch.zeros(NUM_BLOCKS, 1, 1, STATE_WIDTH) if kind == "state"
+                  else torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, WIDTH) for kind in kinds}
+        worker.register_kv_caches(caches)
+        engine = HybridEngine(scheduler, worker, caches, {names[k]: i for i, k in enumerate(kinds)},
+                              real_redis_url, namespace)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.worker.shutdown()
+        engine.connector.shutdown()
+    leftover = [*redis_keys(real_redis_url, namespace), tally_key(namespace).encode()]
+    client = redis.Redis.from_url(real_redis_url)
+    client.delete(*leftover)
+    client.close()
+
+
+def test_a_sliding_window_model_moves_the_window_and_every_full_attention_page(make_engine) -> None:
+    """Transfer mode: a prompt prefilled in several steps (vLLM freed the window's early blocks meanwhile)
+    reaches the decode whole in its full-attention layer and over the last window in its sliding one; the
+    decode computes only the last token, and nothing is left in Redis."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prompt = prompt_of(300, seed=1)
+    params = producer.produce("p", prompt)
+    stored = len(prompt) - 1
+    keys = redis_keys(producer.redis_url, producer.namespace)
+    window_blocks = [key for key in keys if b":w" in key and b":c:" in key and not key.endswith(b":h")]
+    # The window before the prompt's end and before its last chunk boundary, a block each: never the prompt.
+    assert 0 < len(window_blocks) <= -(-(WINDOW + stored % 64) // BLOCK_SIZE) + 1 < stored // BLOCK_SIZE
+    consumer.add("c", prompt, params=params)
+    consumer.finish("c")
+    assert consumer.new_reqs["c"].num_computed_tokens == stored
+    consumer.assert_loaded("c", 0, stored, WINDOW)
+    assert consumer.stats["loaded_tokens"] == stored and not consumer.stats["load_failures"]
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+def test_a_lost_window_block_is_a_miss_of_the_whole_request(make_engine) -> None:
+    """A window block missing: the request is reported failed as a whole (vLLM recomputes it; with several
+    groups block ids cannot say which), never half a cache; nothing is left."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    prompt = prompt_of(200, seed=2)
+    params = producer.produce("p", prompt)
+    client = redis.Redis.from_url(producer.redis_url)
+    window = sorted(key for key in redis_keys(producer.redis_url, producer.namespace)
+                    if b":w" in key and b":c:" in key and not key.endswith(b":h"))
+    client.delete(window[0])
+    client.close()
+    consumer.add("c", prompt, params=params)
+    consumer.finish("c")
+    assert "c" in consumer.failed_recving
+    assert consumer.stats["load_failures"] == 1
+    assert sum(consumer.scheduled["c"]) >= len(prompt)  # computed whole, after the failed load
+    consumer.assert_empty()
+    producer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+def test_a_decode_with_another_window_computes_and_names_it(make_engine) -> None:
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", window=WINDOW + BLOCK_SIZE)
+    prompt = prompt_of(150, seed=3)
+    params = producer.produce("p", prompt)
+    decode = consumer.connector.scheduler
+    assert decode is not None
+    assert params["kvredis"]["engine"]["series"] != decode.engine_description()["series"]
+    consumer.add("c", prompt, params=params)
+    consumer.finish("c")
+    assert consumer.new_reqs["c"].num_computed_tokens == 0 and not consumer.stats["loaded_tokens"]
+    assert consumer.stats["skipped_requests"] == 1
+    consumer.assert_empty()
+    producer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+def test_reuse_a_conversation_resumes_at_the_last_chunk_boundary(make_engine) -> None:
+    """Reuse mode: turn 2 extends turn 1; its lookup finds turn 1's full chunks and the window blocks before
+    turn 1's last chunk boundary, loads them, and computes the rest."""
+    first, second = make_engine("kv_both", reuse=True), make_engine("kv_both", reuse=True)
+    turn1 = prompt_of(230, seed=4)
+    first.add("a", turn1, max_tokens=1)
+    first.finish("a")
+    first.wait_saved()
+    turn2 = turn1 + prompt_of(80, seed=5)
+    second.add("b", turn2, max_tokens=1)
+    second.finish("b")
+    chunk = second.connector.endpoint.transfers.chunk_tokens
+    resume = (len(turn1) - 1) // chunk * chunk
+    assert second.new_reqs["b"].num_computed_tokens == resume
+    second.assert_loaded("b", 0, resume, WINDOW)
+    first.assert_empty()
+    second.assert_empty()
+
+
+def test_a_state_model_resumes_at_the_prompts_last_block_boundary(make_engine) -> None:
+    """A Mamba/GDN group beside full attention: the state after the prompt's last block boundary (where
+    vLLM's prefill stops a step) is stored with the attention pages before it; the decode loads up to that
+    boundary exactly, state included, and computes the rest of the prompt."""
+    kinds = ("full", "state")
+    producer, consumer = make_engine("kv_producer", kinds=kinds), make_engine("kv_consumer", kinds=kinds)
+    prompt = prompt_of(250, seed=6)
+    params = producer.produce("p", prompt)
+    resume = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert params is not None
+    consumer.add("c", prompt, params=params)
+    consumer.finish("c")
+    assert consumer.new_reqs["c"].num_computed_tokens == resume
+    consumer.assert_loaded("c", 0, resume, 0)
+    assert sum(consumer.scheduled["c"]) == len(prompt) - resume + 1
+    producer.assert_empty()
+    consumer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
