@@ -179,6 +179,17 @@ if hasattr(os, "register_at_fork"):  # a forked child must not hand out its pare
     os.register_at_fork(after_in_child=_ENTRY_IDS.clear)
 
 
+def reader_id(entry_id: str, reader: int) -> str:
+    """The transfer id under which reader ``reader`` of a transfer takes it: the id itself for the first,
+    one derived from it for each other rank that reads the one copy a shard's ranks share (MLA's latent KV,
+    KV heads replicated over ranks), so that each holds the chunks and pops a record of its own."""
+    check_entry_id(entry_id)
+    if reader == 0:
+        return entry_id
+    derived = hashlib.blake2b(f"{entry_id}:{reader}".encode(), digest_size=8, person=b"kvredis-reader")
+    return derived.hexdigest()
+
+
 def check_entry_id(entry_id: object) -> str:
     """``entry_id`` if it is one :func:`new_entry_id` could have made; a ``ValueError`` otherwise (a key
     must never be built from an arbitrary string a peer sent)."""

@@ -216,7 +216,8 @@ class _UnusedEntries:
         if announced is None or announced.entry_id is None:
             return
         for shard in announced.shards or ():
-            self._pool.submit(self._discard, self._store, request_id, announced.entry_id, shard)
+            for transfer_id in announced.transfer_ids():
+                self._pool.submit(self._discard, self._store, request_id, transfer_id, shard)
 
     def _discard(self, store: RedisStore, request_id: str, entry_id: str, shard: str) -> None:
         assert self._config is not None

@@ -34,6 +34,10 @@ class Endpoint:
     series: tuple[Series, ...] = ()
     stores: tuple[Transfers, ...] = field(default=())
     """Each series' transfers, in the order of ``series`` (``transfers`` is the first's)."""
+    replicas: int = 1
+    """Ranks in a row holding the same KV: one of them writes it (the first), every one reads it."""
+    reader: int = 0
+    """This rank among those ``replicas``: it takes a transfer as :func:`kvredis.keys.reader_id` says."""
 
     def __post_init__(self) -> None:
         if not self.stores:
@@ -41,13 +45,13 @@ class Endpoint:
 
     @classmethod
     def open(cls, vllm_config: VllmConfig, config: KVRedisConfig, *, worker: bool,
-             series: tuple[Series, ...] = ()) -> Endpoint:
+             series: tuple[Series, ...] = (), replicas: int = 1) -> Endpoint:
         """The endpoint of this process: a worker's keys carry its tensor- and pipeline-parallel rank; the
         scheduler's are rank 0's, and its connection is bounded by the lookup timeout. Each series of a
         hybrid model's layers (:mod:`kvredis.vllm.cache_groups`) has its chunks under a prefix of its own;
-        a window's are a block long."""
-        identity = cache_identity(vllm_config, worker_tp_rank() if worker else 0,
-                                  worker_pp_rank() if worker else 0)
+        a window's are a block long. Ranks holding the same KV (``replicas``) share their keys."""
+        rank = worker_tp_rank() if worker else 0
+        identity = cache_identity(vllm_config, rank, worker_pp_rank() if worker else 0, replicas)
         if not worker:
             # The scheduler looks chunks up inside vLLM's scheduling loop: the store bounds the reply by
             # KVREDIS_LOOKUP_TIMEOUT_S, and opening a connection to an unreachable Redis must not take longer.
@@ -66,11 +70,13 @@ class Endpoint:
                 store, series_prefix(keyspace.prefix, tag),
                 chunk_tokens=chunk_tokens if whole else block_size, block_size=block_size,
                 ttl_ms=int(config.ttl_s * 1000), pop_timeout_s=config.pop_timeout_s,
-                max_chunk_bytes=config.max_entry_bytes, checksum=config.checksum, reuse=config.reuse)
+                max_chunk_bytes=config.max_entry_bytes, checksum=config.checksum, reuse=config.reuse,
+                # A small transfer rides in its record, and ranks sharing one copy each take a record.
+                **({"inline_max_bytes": 0} if replicas > 1 else {}))
 
         stores = tuple(transfers_of(s.tag, s.whole) for s in series) or (transfers_of("", True),)
         return cls(config, identity, keyspace, store, stores[0], Metrics(config.namespace), Counts(),
-                   block_size, series, stores)
+                   block_size, series, stores, replicas, rank % replicas)
 
     def engine_fields(self) -> dict[str, Any]:
         """The fields of this engine that decide whether its chunks fit another (an announcement's
@@ -81,7 +87,8 @@ class Endpoint:
                 "format_version": identity.format_version, "weights": identity.weights,
                 "chunk_tokens": self.transfers.chunk_tokens,
                 # A hybrid model's series (a plain model's announcement has none, as before there were any).
-                **({"series": describe(self.series)} if any(not s.whole for s in self.series) else {})}
+                **({"series": describe(self.series)} if any(not s.whole for s in self.series) else {}),
+                **({"kv_replicas": self.replicas} if self.replicas > 1 else {})}
 
     def close(self) -> None:
         """Release the Redis connections (chunks already stored stay until taken or expired)."""

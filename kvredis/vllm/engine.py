@@ -36,11 +36,13 @@ def check_vllm_version(version: str) -> None:
         raise ConfigError(f"kvredis supports vLLM {supported}; this is vLLM {version}")
 
 
-def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0) -> CacheIdentity:
+def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0,
+                   replicas: int = 1) -> CacheIdentity:
     """What decides whether a stored KV cache fits this engine, computed alike by scheduler and workers.
 
     Each tensor- and pipeline-parallel rank stores and loads its own shard of the layers under its own key
-    (the scheduler, which has no rank, looks up rank 0's).
+    (the scheduler, which has no rank, looks up rank 0's). Ranks holding the same KV (``replicas`` of them
+    in a row: MLA's latent KV is every rank's) share one shard: it is stored once.
     """
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
@@ -66,8 +68,8 @@ def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0) -> C
         kv_dtype=f"{kv_dtype} except layers {','.join(unquantized)}" if unquantized else kv_dtype,
         layout=layout,
         block_size=int(cache_config.block_size),
-        tp_rank=tp_rank,
-        tp_size=int(parallel.tensor_parallel_size),
+        tp_rank=tp_rank // replicas,
+        tp_size=int(parallel.tensor_parallel_size) // replicas,
         weights=_weights(model_config),
     )
 
@@ -132,6 +134,16 @@ def _cpu_isa(kv_dtype: str, block_size: int, head_size: int) -> str:
         return str(_get_attn_isa(getattr(torch, kv_dtype, torch.float32), block_size, head_size))
     except Exception:  # a private helper that may move between versions
         return "cpu"
+
+
+def kv_replicas(vllm_config: VllmConfig, kv_cache_config: Any) -> int:
+    """How many tensor-parallel ranks in a row hold the same KV (vLLM's ``kv_tp_replicas``: all of them for
+    MLA; a run of ranks where KV heads are replicated over more ranks than there are heads)."""
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    replicas = getattr(kv_cache_config, "kv_tp_replicas", None)
+    if not isinstance(replicas, int) or replicas < 1:
+        replicas = tp if getattr(vllm_config.model_config, "use_mla", False) else 1
+    return replicas if tp % replicas == 0 else 1
 
 
 def worker_tp_rank() -> int:

@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvredis.announcement import Announcement, MalformedAnnouncement, read_announcement
@@ -65,6 +65,7 @@ class _Announcement:
     entry_id: str | None  # None: an announcement without an id (the prompt's chunks are taken as found)
     differences: list[str]  # how the producer's engine differs from this one; empty: the chunks fit
     shards: list[str]  # the key prefixes of the producer's ranks, for releasing the transfer unread
+    transfer_ids: list[str] = field(default_factory=list)  # each reader's (a shard's ranks share its KV)
 
 
 @dataclass
@@ -115,12 +116,15 @@ class KVRedisScheduler:
         self._adapters = AdapterDigests()
         self._warned: set[tuple[str, ...]] = set()
         parallel = vllm_config.parallel_config
-        # Every rank's key prefix: the scheduler releases an unused announced transfer's shards itself.
+        # Every shard's key prefix (ranks holding the same KV share one), in each series: the scheduler
+        # releases an unused announced transfer's shards itself.
         tags = [series.tag for series in endpoint.series] or [""]
-        self._shards = [series_prefix(KeySpace(self.config.namespace,
-                                               cache_identity(vllm_config, tp, pp)).prefix, tag)
-                        for pp in range(int(parallel.pipeline_parallel_size))
-                        for tp in range(int(parallel.tensor_parallel_size)) for tag in tags]
+        replicas = endpoint.replicas
+        self._shards = list(dict.fromkeys(
+            series_prefix(KeySpace(self.config.namespace,
+                                   cache_identity(vllm_config, tp, pp, replicas)).prefix, tag)
+            for pp in range(int(parallel.pipeline_parallel_size))
+            for tp in range(int(parallel.tensor_parallel_size)) for tag in tags))
         self.discards = Discards(self.transfers, self.counts, self.config.pop_timeout_s)
 
     # -- lookups and loads ------------------------------------------------------------------------
@@ -275,7 +279,8 @@ class KVRedisScheduler:
             # vLLM's clean-up of a request it refused (0.32+): its serving layer's stand-in for a rejected
             # request (the real id and kv_transfer_params, one token [0], no adapter or salt), or 0.34's
             # engine paused. It never runs; only the transfer its id names is released.
-            return _Announcement(announced.entry_id, ["refused"], list(announced.shards or self._shards))
+            return _Announcement(announced.entry_id, ["refused"], list(announced.shards or self._shards),
+                                 announced.transfer_ids())
         if announced.context is not None and announced.context != context:
             # A transfer announced for another adapter, tenant or set of images (a proxy or client mixing up
             # requests): its chunks' keys differ from this request's. Compute at once.
@@ -300,7 +305,8 @@ class KVRedisScheduler:
                             "request %s: its KV was written by a prefill engine configured differently (%s); "
                             "such requests are computed here, without waiting for Redis", req_id,
                             "; ".join(differences))
-        return _Announcement(announced.entry_id, differences, list(announced.shards or self._shards))
+        return _Announcement(announced.entry_id, differences, list(announced.shards or self._shards),
+                             announced.transfer_ids())
 
     def engine_description(self) -> dict[str, Any]:
         """This engine's side of an announcement (rank 0's identity, less the rank)."""
@@ -342,7 +348,8 @@ class KVRedisScheduler:
         if announcement is None or announcement.entry_id is None:
             return  # without an id, the chunks are any reader's: they are left to them or to their TTL
         for shard in announcement.shards:
-            self.discards.submit(request.request_id, announcement.entry_id, shard)
+            for transfer_id in announcement.transfer_ids or [announcement.entry_id]:
+                self.discards.submit(request.request_id, transfer_id, shard)
 
     # -- saves and the step's metadata ------------------------------------------------------------
 
@@ -406,12 +413,16 @@ class KVRedisScheduler:
             if not scheduled or prefill.computed + scheduled < len(prefill.token_ids):
                 continue
             del self._prefills[req_id]
-            if self._step > 1 and prefill.computed != resume_end(len(prefill.token_ids), self._step):
+            end = resume_end(len(prefill.token_ids), self._step)
+            if end == 0:
+                continue  # shorter than a Mamba state's block and a token: no reader could resume from it
+            if self._step > 1 and prefill.computed != end:
                 # A Mamba state is kept at the prompt's last block boundary only if this step starts there;
                 # without it no reader could resume, so nothing is stored (nor announced).
                 self._warn_once(("state",), "request %s: its prefill's last step started at position %d, not "
-                                "at the prompt's last block boundary: its Mamba state there is gone, so it "
-                                "is not stored", req_id, prefill.computed)
+                                "at the prompt's last block boundary (%d): its Mamba state there is gone, so "
+                                "it is not stored (a prefill budget, --max-num-batched-tokens, of at least a "
+                                "block avoids this)", req_id, prefill.computed, end)
                 continue
             current = tables.get_block_ids(req_id) if tables is not None else None
             block_ids = [list(ids) for ids in current] if current else prefill.block_ids
@@ -447,7 +458,7 @@ class KVRedisScheduler:
                 tokens = token_list(request.prompt_token_ids)
                 params = Announcement(
                     entry_id, prompt_digest(tokens, None, context), context, self.engine_description(),
-                    tuple(self._shards), len(tokens)).to_params()
+                    tuple(self._shards), len(tokens), self.endpoint.replicas).to_params()
         return req_id in self._loading, params
 
     def may_load_async(self, request: Any) -> bool:

@@ -29,6 +29,7 @@ from kvredis import staging
 from kvredis.chunk_keys import ChunkPlan
 from kvredis.chunk_store import PageFormat
 from kvredis.errors import KVRedisError
+from kvredis.keys import reader_id
 from kvredis.paged import PagedLayout, block_span
 from kvredis.transfer import Saved, Transfers
 from kvredis.vllm.cache_groups import FULL, STATE, Series, resume_step
@@ -169,11 +170,13 @@ class KVRedisWorker:
         # its KV writes, on the engine's thread with the forward's stream current; eagerly or between the
         # pieces of a piecewise CUDA graph, never inside a full graph's replay (wait_for_save covers those
         # layers), nor while graphs are captured (no metadata is bound then).
-        if not meta.saves:
+        if not meta.saves or self.endpoint.reader:  # a rank whose KV another rank writes
             return
         index = self._layer_index.get(layer_name)
         if index is None:  # not a layer registered with a paged cache
             return
+        # The registered view: what vLLM hands the hook may be another view of it (MLA's drops the heads).
+        kv_layer = self._layers[layer_name]
         number = self._layer_series[layer_name]
         series = self._series[number]
         group = series.layer_groups[index]
@@ -254,6 +257,8 @@ class KVRedisWorker:
     def wait_for_save(self, meta: KVRedisConnectorMetadata) -> None:
         """Hand each saved prompt to a writer thread; the step does not wait for Redis."""
         captured: list[tuple[TransferSpec, list[torch.Tensor]]] = []
+        if self.endpoint.reader:  # the first of the ranks sharing this KV writes it, for all of them
+            return
         for spec in meta.saves:
             captures = [self._gathered.pop((spec.req_id, number), None)
                         for number in range(len(self._series))]
@@ -317,16 +322,21 @@ class KVRedisWorker:
                     copied.wait()  # the step's copies into the pages ran (this thread waits, not the engine)
                 saved = Saved()
                 end = resume_end(len(spec.token_ids), self._step)
-                for number, (store, pages) in enumerate(zip(self.endpoint.stores, captured, strict=True)):
-                    blocks = self._stored_range(spec, number)
-                    if not blocks:
-                        continue
-                    plan = series_plan(self._series[number], store, spec.token_ids, spec.context, blocks, end)
-                    part = store.save(plan, pages, transfer_id=spec.entry_id,
-                                      pages_per_block=pages.shape[1] // len(blocks))
-                    saved.written += part.written
-                    saved.present += part.present
-                    saved.nbytes += part.nbytes
+                # Each rank reading this shard takes a transfer of its own (the chunks are written once).
+                readers = range(self.endpoint.replicas if spec.entry_id is not None else 1)
+                for reader in readers:
+                    transfer_id = None if spec.entry_id is None else reader_id(spec.entry_id, reader)
+                    for number, (store, pages) in enumerate(zip(self.endpoint.stores, captured, strict=True)):
+                        blocks = self._stored_range(spec, number)
+                        if not blocks:
+                            continue
+                        plan = series_plan(self._series[number], store, spec.token_ids, spec.context, blocks,
+                                           end)
+                        part = store.save(plan, pages, transfer_id=transfer_id,
+                                          pages_per_block=pages.shape[1] // len(blocks))
+                        saved.written += part.written
+                        saved.present += part.present
+                        saved.nbytes += part.nbytes
         except KVRedisError as exc:
             self.counts.add(save_failures=1)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
@@ -399,6 +409,10 @@ class KVRedisWorker:
             failed, self._failed_requests = self._failed_requests, set()
         return failed
 
+    def _taken_as(self, spec: TransferSpec) -> str | None:
+        """The transfer id this rank takes the request's announced transfer under (``None``: none)."""
+        return None if spec.entry_id is None else reader_id(spec.entry_id, self.endpoint.reader)
+
     def _page_format(self, number: int = 0) -> PageFormat:
         """The pages series ``number``'s layers hold: what its chunks must carry to be written into them."""
         names = self._series[number].layers
@@ -419,13 +433,15 @@ class KVRedisWorker:
         loaded_to, nbytes, late = spec.stop, 0, False
         for number, (series, store) in enumerate(zip(self._series, self.endpoint.stores, strict=True)):
             if late:  # its record would not come either: released if it ever lands
-                assert spec.entry_id is not None
-                self.discards.submit(spec.req_id, spec.entry_id, store.prefix)
+                transfer_id = self._taken_as(spec)
+                assert transfer_id is not None
+                self.discards.submit(spec.req_id, transfer_id, store.prefix)
                 continue
             first = spec.start if series.whole else max(spec.start, series.needed(spec.stop))
             blocks = range(first // self._block_size, -(-spec.stop // self._block_size))
             plan = series_plan(series, store, spec.token_ids, spec.context, blocks, spec.stop)
-            taken = store.take(plan, first, spec.stop, self._page_format(number), transfer_id=spec.entry_id)
+            taken = store.take(plan, first, spec.stop, self._page_format(number),
+                               transfer_id=self._taken_as(spec))
             loaded = min(spec.stop, taken.stop(plan)) if taken.chunks else first
             if taken.chunks:
                 self._write_chunks(spec, number, plan, taken.first, taken.chunks, first, loaded, after)
@@ -446,11 +462,12 @@ class KVRedisWorker:
         known = ("absent", "corrupt", "foreign", "partial")
         self.endpoint.metrics.miss(miss if miss in known else "mismatch")
         if cause == "late":
-            assert spec.entry_id is not None
+            transfer_id = self._taken_as(spec)
+            assert transfer_id is not None
             # Announced but not written in time (a stalled prefill): released if it lands within a pop bound.
-            self.discards.submit(spec.req_id, spec.entry_id, store.prefix)
+            self.discards.submit(spec.req_id, transfer_id, store.prefix)
             return (f"no transfer record within {self.config.pop_timeout_s:g} s at "
-                    f"{store.record_key(spec.entry_id)} (missing, expired or evicted)")
+                    f"{store.record_key(transfer_id)} (missing, expired or evicted)")
         return f"its chunks end at position {loaded} ({cause})"
 
     def _write_chunks(self, spec: TransferSpec, number: int, plan: ChunkPlan, first: int,

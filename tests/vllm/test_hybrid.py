@@ -34,6 +34,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -78,12 +79,19 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return torch.randint(4, 1024, (length,), generator=generator).tolist()
 
 
-def attention_spec(window: int | None) -> Any:
+def attention_spec(window: int | None, local: bool = False) -> Any:
     common = {"block_size": BLOCK_SIZE, "num_kv_heads": HEADS, "head_size": WIDTH // 2,
               "dtype": torch.float32}
     if window is None:
         return FullAttentionSpec(**common)
+    if local:
+        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=window)
     return SlidingWindowSpec(**common, sliding_window=window)
+
+
+def first_attended(stop: int, window: int, local: bool = False) -> int:
+    """The first position a token at ``stop`` attends to in a windowed layer."""
+    return stop // window * window if local else max(0, stop - window + 1)
 
 
 def state_spec() -> MambaSpec:
@@ -214,7 +222,7 @@ class HybridEngine:
         if late is not None:
             self.stats.update(late.reduce())
 
-    def assert_loaded(self, req_id: str, start: int, stop: int, window: int) -> None:
+    def assert_loaded(self, req_id: str, start: int, stop: int, window: int, local: bool = False) -> None:
         """The decode's blocks hold exactly what the prefill computed: the full layer at ``start..stop-1``,
         the window layer over the window before ``stop``, the state layer's slot at ``stop``."""
         tables = self.new_reqs[req_id].block_ids
@@ -225,7 +233,7 @@ class HybridEngine:
                 slot = layer[table[stop // BLOCK_SIZE - 1], 0, 0]
                 assert torch.equal(slot, state_after(self.prompts[req_id][:stop]))
                 continue
-            first = start if name == FULL else max(start, stop - window + 1)
+            first = start if name == FULL else max(start, first_attended(stop, window, local))
             positions = torch.arange(first, stop)
             blocks = torch.tensor([table[p // BLOCK_SIZE] for p in positions.tolist()])
             got = layer[blocks, :, positions % BLOCK_SIZE, :]
@@ -265,7 +273,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
     engines: list[HybridEngine] = []
 
     def make(role: str, kinds: tuple[str, ...] = ("full", "window"), window: int = WINDOW,
-             **settings: Any) -> HybridEngine:
+             local: bool = False, **settings: Any) -> HybridEngine:
         extra = {"url": real_redis_url, "namespace": namespace, "pop_timeout_s": 2.0, **settings}
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN),
@@ -282,7 +290,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
         vllm_config.cache_config.kv_cache_layout = "LBHNC"
         vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
         names = {"full": FULL, "window": SLIDING, "state": STATE}
-        specs = {"full": attention_spec(None), "window": attention_spec(window), "state": state_spec()}
+        specs = {"full": attention_spec(None), "window": attention_spec(window, local), "state": state_spec()}
         if "state" in kinds:
             vllm_config.cache_config.mamba_cache_mode = "align"
         groups = [KVCacheGroupSpec([names[kind]], specs[kind]) for kind in kinds]
@@ -309,22 +317,26 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
     client.close()
 
 
-def test_a_sliding_window_model_moves_the_window_and_every_full_attention_page(make_engine) -> None:
+@pytest.mark.parametrize("local", [False, True], ids=["sliding-window", "chunked-local"])
+def test_a_windowed_model_moves_the_window_and_every_full_attention_page(make_engine, local: bool) -> None:
     """Transfer mode: a prompt prefilled in several steps (vLLM freed the window's early blocks meanwhile)
-    reaches the decode whole in its full-attention layer and over the last window in its sliding one; the
+    reaches the decode whole in its full-attention layer and over the last window in its windowed one; the
     decode computes only the last token, and nothing is left in Redis."""
-    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
+    window = WINDOW if not local else 2 * BLOCK_SIZE
+    producer = make_engine("kv_producer", window=window, local=local)
+    consumer = make_engine("kv_consumer", window=window, local=local)
     prompt = prompt_of(300, seed=1)
     params = producer.produce("p", prompt)
     stored = len(prompt) - 1
     keys = redis_keys(producer.redis_url, producer.namespace)
-    window_blocks = [key for key in keys if b":w" in key and b":c:" in key and not key.endswith(b":h")]
+    tag = b":l" if local else b":w"
+    window_blocks = [key for key in keys if tag in key and b":c:" in key and not key.endswith(b":h")]
     # The window before the prompt's end and before its last chunk boundary, a block each: never the prompt.
-    assert 0 < len(window_blocks) <= -(-(WINDOW + stored % 64) // BLOCK_SIZE) + 1 < stored // BLOCK_SIZE
+    assert 0 < len(window_blocks) <= -(-(window + stored % 64) // BLOCK_SIZE) + 1 < stored // BLOCK_SIZE
     consumer.add("c", prompt, params=params)
     consumer.finish("c")
     assert consumer.new_reqs["c"].num_computed_tokens == stored
-    consumer.assert_loaded("c", 0, stored, WINDOW)
+    consumer.assert_loaded("c", 0, stored, window, local)
     assert consumer.stats["loaded_tokens"] == stored and not consumer.stats["load_failures"]
     producer.assert_empty()
     consumer.assert_empty()
@@ -405,3 +417,38 @@ def test_a_state_model_resumes_at_the_prompts_last_block_boundary(make_engine) -
     producer.assert_empty()
     consumer.assert_empty()
     assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+def test_a_state_model_stores_nothing_for_a_prompt_within_its_first_block(make_engine) -> None:
+    """No block boundary before the last token: no state a reader could resume from, so nothing is stored
+    nor announced, and the decode computes the prompt without waiting for Redis."""
+    kinds = ("full", "state")
+    producer, consumer = make_engine("kv_producer", kinds=kinds), make_engine("kv_consumer", kinds=kinds)
+    prompt = prompt_of(BLOCK_SIZE, seed=7)  # its last token is the block's last position
+    params = producer.produce("p", prompt)
+    assert params is None and redis_keys(producer.redis_url, producer.namespace) == []
+    consumer.add("c", prompt, params={"do_remote_prefill": True})
+    consumer.finish("c")
+    assert consumer.new_reqs["c"].num_computed_tokens == 0 and not consumer.stats["lookup_errors"]
+    producer.assert_empty()
+    consumer.assert_empty()
+
+
+def test_reuse_a_state_models_conversation_resumes_at_the_last_turns_boundary(make_engine) -> None:
+    """Reuse mode, state model: turn 2 finds turn 1's pages and its state at turn 1's last block boundary,
+    and resumes there."""
+    kinds = ("full", "state")
+    first, second = (make_engine("kv_both", kinds=kinds, reuse=True),
+                     make_engine("kv_both", kinds=kinds, reuse=True))
+    turn1 = prompt_of(230, seed=8)
+    first.add("a", turn1, max_tokens=1)
+    first.finish("a")
+    first.wait_saved()
+    turn2 = turn1 + prompt_of(80, seed=9)
+    second.add("b", turn2, max_tokens=1)
+    second.finish("b")
+    resume = (len(turn1) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert second.new_reqs["b"].num_computed_tokens == resume
+    second.assert_loaded("b", 0, resume, 0)
+    first.assert_empty()
+    second.assert_empty()
