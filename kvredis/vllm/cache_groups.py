@@ -45,6 +45,7 @@ class Series:
     groups: tuple[int, ...]
     layers: tuple[str, ...]
     layer_groups: tuple[int, ...]  # the KV cache group of each of ``layers``
+    shape: str = ""  # what a state holds (its tensors' shapes and dtypes): engines must agree on it
 
     def needed(self, resume: int) -> int:
         """The first position a reader that computes from position ``resume`` on attends to in these layers
@@ -97,9 +98,18 @@ def cache_series(kv_cache_config: Any) -> tuple[Series, ...]:
     for (kind, span), indexes in sorted(kinds.items(), key=lambda item: (item[0][0] != FULL, item[0])):
         layers = [(name, index) for index in indexes for name in groups[index].layer_names]
         tag = "" if kind == FULL else f"{kind[0]}{span or ''}"
+        shape = _state_shape(groups[indexes[0]].kv_cache_spec) if kind == STATE else ""
         series.append(Series(tag, kind, span, tuple(indexes), tuple(name for name, _ in layers),
-                             tuple(index for _, index in layers)))
+                             tuple(index for _, index in layers), shape))
     return tuple(series)
+
+
+def _state_shape(spec: Any) -> str:
+    """A state's tensors, as two engines must agree on them to share it (another TP size, conv kernel or
+    state dtype makes other bytes)."""
+    tensors = zip(getattr(spec, "shapes", ()), getattr(spec, "dtypes", ()), strict=False)
+    return ",".join(f"{'x'.join(map(str, shape))}:{str(dtype).removeprefix('torch.')}"
+                    for shape, dtype in tensors)
 
 
 def unsupported_state(kv_cache_config: Any) -> str | None:
@@ -124,4 +134,4 @@ def resume_step(series: tuple[Series, ...], chunk_tokens: int) -> int:
 
 def describe(series: tuple[Series, ...]) -> list[str]:
     """The series as an announcement names them: what a peer's must equal for its chunks to fit."""
-    return [f"{s.kind}{s.span or ''}x{len(s.layers)}" for s in series]
+    return [f"{s.kind}{s.span or ''}x{len(s.layers)}" + (f"({s.shape})" if s.shape else "") for s in series]

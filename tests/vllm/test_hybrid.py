@@ -68,10 +68,10 @@ def kv_values(tokens: torch.Tensor, positions: torch.Tensor, layer: int) -> torc
             + lane / 65536.0 + layer * 2048.0)
 
 
-def state_after(tokens: list[int]) -> torch.Tensor:
+def state_after(tokens: list[int], width: int = STATE_WIDTH) -> torch.Tensor:
     """The fake recurrent state after ``tokens``: depends on every one of them, and on their count."""
     generator = torch.Generator().manual_seed(hash(tuple(tokens)) & 0x7FFFFFFF)
-    return torch.rand(STATE_WIDTH, generator=generator) + len(tokens)
+    return torch.rand(width, generator=generator) + len(tokens)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -94,9 +94,11 @@ def first_attended(stop: int, window: int, local: bool = False) -> int:
     return stop // window * window if local else max(0, stop - window + 1)
 
 
-def state_spec() -> MambaSpec:
-    return MambaSpec(block_size=BLOCK_SIZE, shapes=((STATE_WIDTH,),), dtypes=(torch.float32,),
-                     mamba_cache_mode="align")
+def state_spec(mamba_type: str = "MAMBA2", width: int = STATE_WIDTH) -> MambaSpec:
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    return MambaSpec(block_size=BLOCK_SIZE, shapes=((width,),), dtypes=(torch.float32,),
+                     mamba_cache_mode="align", mamba_type=MambaAttentionBackendEnum[mamba_type])
 
 
 @dataclasses.dataclass
@@ -185,7 +187,8 @@ class HybridEngine:
                 table = torch.tensor(tables[self.groups[name]])
                 if name == STATE:
                     end = start + count
-                    layer[table[-(-end // BLOCK_SIZE) - 1], 0, 0] = state_after(everything[:end])
+                    slot = table[-(-end // BLOCK_SIZE) - 1]
+                    layer[slot, 0, 0] = state_after(everything[:end], layer.shape[-1])
                     continue
                 blocks = table[positions // BLOCK_SIZE]
                 assert not (blocks == 0).any(), "a token's KV written into the null block"
@@ -273,7 +276,8 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
     engines: list[HybridEngine] = []
 
     def make(role: str, kinds: tuple[str, ...] = ("full", "window"), window: int = WINDOW,
-             local: bool = False, **settings: Any) -> HybridEngine:
+             local: bool = False, mamba_type: str = "MAMBA2", state_width: int = STATE_WIDTH,
+             **settings: Any) -> HybridEngine:
         extra = {"url": real_redis_url, "namespace": namespace, "pop_timeout_s": 2.0, **settings}
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN),
@@ -290,7 +294,8 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
         vllm_config.cache_config.kv_cache_layout = "LBHNC"
         vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
         names = {"full": FULL, "window": SLIDING, "state": STATE}
-        specs = {"full": attention_spec(None), "window": attention_spec(window, local), "state": state_spec()}
+        specs = {"full": attention_spec(None), "window": attention_spec(window, local),
+                 "state": state_spec(mamba_type, state_width)}
         if "state" in kinds:
             vllm_config.cache_config.mamba_cache_mode = "align"
         groups = [KVCacheGroupSpec([names[kind]], specs[kind]) for kind in kinds]
@@ -299,7 +304,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
                               structured_output_manager=StructuredOutputManager(vllm_config),
                               block_size=BLOCK_SIZE, log_stats=True)
         worker = KVRedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        caches = {names[kind]: torch.zeros(NUM_BLOCKS, 1, 1, STATE_WIDTH) if kind == "state"
+        caches = {names[kind]: torch.zeros(NUM_BLOCKS, 1, 1, state_width) if kind == "state"
                   else torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, WIDTH) for kind in kinds}
         worker.register_kv_caches(caches)
         engine = HybridEngine(scheduler, worker, caches, {names[k]: i for i, k in enumerate(kinds)},
@@ -399,12 +404,15 @@ def test_reuse_a_conversation_resumes_at_the_last_chunk_boundary(make_engine) ->
     second.assert_empty()
 
 
-def test_a_state_model_resumes_at_the_prompts_last_block_boundary(make_engine) -> None:
+@pytest.mark.parametrize("mamba_type", ["MAMBA1", "MAMBA2", "GDN_ATTN"])
+def test_a_state_model_resumes_at_the_prompts_last_block_boundary(make_engine, mamba_type: str) -> None:
     """A Mamba/GDN group beside full attention: the state after the prompt's last block boundary (where
     vLLM's prefill stops a step) is stored with the attention pages before it; the decode loads up to that
-    boundary exactly, state included, and computes the rest of the prompt."""
+    boundary exactly, state included, and computes the rest of the prompt. Mamba1 (Jamba) has no kernel in
+    vLLM's CPU build: it runs here only."""
     kinds = ("full", "state")
-    producer, consumer = make_engine("kv_producer", kinds=kinds), make_engine("kv_consumer", kinds=kinds)
+    producer = make_engine("kv_producer", kinds=kinds, mamba_type=mamba_type)
+    consumer = make_engine("kv_consumer", kinds=kinds, mamba_type=mamba_type)
     prompt = prompt_of(250, seed=6)
     params = producer.produce("p", prompt)
     resume = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -452,3 +460,20 @@ def test_reuse_a_state_models_conversation_resumes_at_the_last_turns_boundary(ma
     second.assert_loaded("b", 0, resume, 0)
     first.assert_empty()
     second.assert_empty()
+
+
+def test_a_decode_whose_state_differs_computes_and_names_it(make_engine) -> None:
+    """Another state shape (a conv kernel, a TP size or a state dtype of its own): the announcement says so,
+    and the decode computes at once instead of reading chunks that cannot fit."""
+    kinds = ("full", "state")
+    producer = make_engine("kv_producer", kinds=kinds)
+    consumer = make_engine("kv_consumer", kinds=kinds, state_width=2 * STATE_WIDTH)
+    prompt = prompt_of(150, seed=10)
+    params = producer.produce("p", prompt)
+    consumer.add("c", prompt, params=params)
+    consumer.finish("c")
+    assert consumer.new_reqs["c"].num_computed_tokens == 0 and not consumer.stats["loaded_tokens"]
+    assert consumer.stats["skipped_requests"] == 1 and not consumer.stats["load_failures"]
+    consumer.assert_empty()
+    producer.assert_empty()
+    assert redis_keys(consumer.redis_url, consumer.namespace) == []
