@@ -1,10 +1,11 @@
 """Tiny models written locally, for running real vLLM engines with no hub and no GPU.
 
 ``kvredis up``, ``kvredis demo`` and the engine tests use the Llama; the multimodal engine tests use a
-BLIP-2 (a small vision tower and Q-Former in front of the same Llama). The weights are seeded random numbers
-saved as safetensors (so vLLM's real loader runs), and the tokenizer is a word-level vocabulary of ``t<N>``
-words, so a prompt ``"t5 t9 t12"`` is the token IDs ``[5, 9, 12]``. Needs ``safetensors`` and
-``tokenizers``, which vLLM installs.
+BLIP-2 (a small vision tower and Q-Former in front of the same Llama); the hybrid-model tests a Gemma 3, a
+Qwen3-Next, a Nemotron-H and a DeepSeek-V2 (MLA), which transformers builds from their configs. The weights
+are seeded random numbers saved as safetensors (so vLLM's real loader runs), and the tokenizer is a
+word-level vocabulary of ``t<N>`` words, so a prompt ``"t5 t9 t12"`` is the token IDs ``[5, 9, 12]``. Needs
+``safetensors`` and ``tokenizers`` (and ``transformers`` for the other families), which vLLM installs.
 """
 
 from __future__ import annotations
@@ -222,3 +223,118 @@ def _write_tokenizer(path: Path, max_positions: int, *, image_token: bool = Fals
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": max_positions,
     }))
+
+
+# -- other families: built by transformers from their configs (the vLLM environment has it) ---------------
+
+HYBRID_MAX_POSITIONS = 2048
+_HF_COMMON = {"vocab_size": VOCAB, "max_position_embeddings": HYBRID_MAX_POSITIONS, "torch_dtype": "float32",
+              "bos_token_id": SPECIAL["<s>"], "eos_token_id": SPECIAL["</s>"],
+              "pad_token_id": SPECIAL["<pad>"], "tie_word_embeddings": False}
+"""What every tiny model of another family shares with the Llama: the vocabulary and special tokens."""
+
+
+def _write_random_hf(folder: str | Path, config: dict[str, Any], seed: int,
+                     dtype: torch.dtype = torch.float32) -> Path:
+    """Build the Hugging Face model of ``config`` with seeded random weights; save it and the tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(config)
+    model_type = config.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **config)
+    with torch.random.fork_rng():  # the caller's random state is left as it was
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).to(dtype)
+    model.config.dtype = dtype
+    model.save_pretrained(str(path), safe_serialization=True)
+    _write_tokenizer(path, HYBRID_MAX_POSITIONS)
+    return path
+
+
+def _gemma3_config(layers: int = 4, hidden: int = 128, sliding_window: int = 64) -> dict[str, Any]:
+    return {
+        **_HF_COMMON, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "query_pre_attn_scalar": 64,
+        "sliding_window": sliding_window,
+        "layer_types": ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(layers)],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    }
+
+
+def write_tiny_gemma3(folder: str | Path, seed: int = 0, **shape: Any) -> Path:
+    """A tiny Gemma 3 (sliding-window layers of window 64 alternating with full attention); returns its
+    folder. ``shape``: layers, hidden, sliding_window."""
+    return _write_random_hf(folder, _gemma3_config(**shape), seed)
+
+
+def _qwen3_next_config(layers: int = 4, hidden: int = 128, linear_head_dim: int = 64) -> dict[str, Any]:
+    return {
+        **_HF_COMMON, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": linear_head_dim,
+        "linear_value_head_dim": linear_head_dim,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden,
+        "shared_expert_intermediate_size": hidden, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6,
+    }
+
+
+def write_tiny_qwen3_next(folder: str | Path, seed: int = 0, **shape: Any) -> Path:
+    """A tiny Qwen3-Next (three Gated DeltaNet layers to one of full attention, MoE), in bfloat16: vLLM's
+    CPU GDN kernels need it. Returns its folder."""
+    return _write_random_hf(folder, _qwen3_next_config(**shape), seed, torch.bfloat16)
+
+
+def _nemotron_h_config(pattern: str = "M*M-", hidden: int = 128) -> dict[str, Any]:
+    return {
+        **_HF_COMMON, "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "hybrid_override_pattern": pattern,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "mamba_num_heads": 4, "mamba_head_dim": 64, "n_groups": 1, "ssm_state_size": 64, "conv_kernel": 4,
+        "expand": 2, "chunk_size": 64, "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2",
+        "use_conv_bias": True, "mamba_proj_bias": False, "use_bias": False, "layer_norm_epsilon": 1e-5,
+        "num_nextn_predict_layers": 0, "rescale_prenorm_residual": False,
+    }
+
+
+def write_tiny_nemotron_h(folder: str | Path, seed: int = 0, **shape: Any) -> Path:
+    """A tiny Nemotron-H (Mamba2, attention and MLP layers, ``pattern`` ``M*M-``); returns its folder."""
+    return _write_random_hf(folder, _nemotron_h_config(**shape), seed)
+
+
+def _deepseek_mla_config(layers: int = 2, hidden: int = 128, version: int = 2) -> dict[str, Any]:
+    config = {
+        **_HF_COMMON, "model_type": f"deepseek_v{version}",
+        "architectures": [f"DeepseekV{version}ForCausalLM"],
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "q_lora_rank": None if version == 2 else 64,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 64,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rms_norm_eps": 1e-6,
+        "num_nextn_predict_layers": 0,
+    }
+    if version == 2:
+        config["topk_method"] = "greedy"
+    else:  # as DeepSeek-V3's own config.json: sigmoid scores with a correction bias
+        config.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    return config
+
+
+def write_tiny_deepseek_mla(folder: str | Path, seed: int = 0, **shape: Any) -> Path:
+    """A tiny DeepSeek-V2 (``version=3``: V3) with MLA (kv_lora_rank 512 and rope dim 64, as vLLM's CPU MLA
+    kernel needs); returns its folder."""
+    return _write_random_hf(folder, _deepseek_mla_config(**shape), seed)
+

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
 
-import hybrid_models
+
 import openai
 from engine_servers import (
     CHAT_TEMPLATE,
@@ -39,7 +39,7 @@ from engine_servers import (
     wait_ready,
 )
 
-from kvredis.tinymodel import prompt_text
+from kvredis.tinymodel import prompt_text, write_tiny_gemma3, write_tiny_nemotron_h, write_tiny_qwen3_next
 
 START_TIMEOUT_S = 600.0
 MAX_MODEL_LEN = 1024
@@ -55,13 +55,13 @@ class Family:
 
 
 FAMILIES = {
-    "gemma3-sliding-window": Family(hybrid_models.write_gemma3, "float32", 64, "window"),
+    "gemma3-sliding-window": Family(write_tiny_gemma3, "float32", 64, "window"),
     # vLLM raises the block size to 256 tokens for this model's state: a budget of a block.
-    "qwen3-next-gated-deltanet": Family(hybrid_models.write_qwen3_next, "bfloat16", 256, "state"),
+    "qwen3-next-gated-deltanet": Family(write_tiny_qwen3_next, "bfloat16", 256, "state"),
     # Its block is 128 tokens; a budget of half a block (vLLM's CPU Mamba2 kernels fail a 128-token chunk
     # of a prompt that crosses a block boundary, connector or not): prompts whose last 64 tokens cross the
     # boundary keep no state there, and move nothing.
-    "nemotron-h-mamba2": Family(hybrid_models.write_nemotron_h, "float32", 64, "state"),
+    "nemotron-h-mamba2": Family(write_tiny_nemotron_h, "float32", 64, "state"),
 }
 
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
 
-import hybrid_models
+
 from engine_servers import (
     Disaggregated,
     cached_tokens,
@@ -33,6 +33,7 @@ from engine_servers import (
 from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.keys import reader_id
+from kvredis.tinymodel import write_tiny_deepseek_mla
 
 TP = 2
 START_TIMEOUT_S = 400.0
@@ -42,7 +43,7 @@ LAYERS, LATENT = 2, 512 + 64  # kv_lora_rank + qk_rope_head_dim
 @pytest.fixture(scope="module")
 def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggregated]:
     folder = tmp_path_factory.mktemp("mla-engines")
-    model = hybrid_models.write_deepseek_mla(folder / "deepseek", seed=5, layers=LAYERS)
+    model = write_tiny_deepseek_mla(folder / "deepseek", seed=5, layers=LAYERS)
     server = start_redis()
     namespace = "t-mla-" + uuid.uuid4().hex[:10]
 
