@@ -126,6 +126,10 @@ class KVRedisScheduler:
             for pp in range(int(parallel.pipeline_parallel_size))
             for tp in range(int(parallel.tensor_parallel_size)) for tag in tags))
         self.discards = Discards(self.transfers, self.counts, self.config.pop_timeout_s)
+        if self._loads:
+            # The lookups' connection is opened now, not by the first request's lookup, which would then
+            # outlast its step's wait on a connect (that request would wait a step for nothing).
+            self._lookup_thread.submit(self._connect)
 
     # -- lookups and loads ------------------------------------------------------------------------
 
@@ -193,6 +197,14 @@ class KVRedisScheduler:
             self._lookups_failing = False
             logger.warning("Redis answers lookups again: prompts are looked up in it again")
         return stored
+
+    def _connect(self) -> None:
+        """Open the lookups' connection (the lookup thread's first task); a Redis not there yet is the first
+        lookup's to find and say."""
+        try:
+            self.endpoint.store.prober.ping()
+        except Exception as exc:  # the lookups report an outage; this is only a head start
+            logger.debug("could not connect for lookups yet: %s", exc)
 
     def _answer(self, state: _RequestState) -> object:
         """The request's lookup's answer, waited for while the step's wait lasts; ``_NOT_YET`` if Redis has
