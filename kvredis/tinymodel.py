@@ -253,13 +253,15 @@ def _write_random_hf(folder: str | Path, config: dict[str, Any], seed: int,
     return path
 
 
-def _gemma3_config(layers: int = 4, hidden: int = 128, sliding_window: int = 64) -> dict[str, Any]:
+def _gemma3_config(layers: int = 4, hidden: int = 128, sliding_window: int = 64,
+                   full_every: int = 2) -> dict[str, Any]:
     return {
         **_HF_COMMON, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
         "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "query_pre_attn_scalar": 64,
         "sliding_window": sliding_window,
-        "layer_types": ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(layers)],
+        "layer_types": ["full_attention" if (i + 1) % full_every == 0 else "sliding_attention"
+                        for i in range(layers)],
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
         "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
@@ -267,8 +269,8 @@ def _gemma3_config(layers: int = 4, hidden: int = 128, sliding_window: int = 64)
 
 
 def write_tiny_gemma3(folder: str | Path, seed: int = 0, **shape: Any) -> Path:
-    """A tiny Gemma 3 (sliding-window layers of window 64 alternating with full attention); returns its
-    folder. ``shape``: layers, hidden, sliding_window."""
+    """A tiny Gemma 3 (sliding-window layers, window 64, and every ``full_every``-th layer full attention:
+    Gemma 3's own ratio is 6); returns its folder. ``shape``: layers, hidden, sliding_window, full_every."""
     return _write_random_hf(folder, _gemma3_config(**shape), seed)
 
 
