@@ -27,11 +27,11 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 import redis
 import torch
 from conftest import BLOCK_SIZE
-from vllm import SamplingParams
+from scheduler_steps import STEP_TIMEOUT_S, finish_step, new_request, redis_keys, wait_saved
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -41,8 +41,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvredis.tally import tally_key
@@ -55,7 +54,6 @@ NUM_BLOCKS = 96
 MAX_LEN = 1024
 TOKEN_BUDGET = 96
 SAMPLED = 7
-STEP_TIMEOUT_S = 10.0
 FULL, SLIDING = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
 STATE = "model.layers.2.linear_attn"
 
@@ -124,13 +122,8 @@ class HybridEngine:
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2,
             params: dict[str, Any] | None = None) -> None:
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                  extra_args={"kv_transfer_params": params} if params is not None else None)
-        sampling.update_from_generation_config({}, 2)
         self.prompts[req_id] = list(prompt)
-        self.scheduler.add_request(Request(
-            request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sampling, pooling_params=None,
-            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256), mm_features=None))
+        self.scheduler.add_request(new_request(req_id, prompt, max_tokens, params))
 
     def step(self) -> Any:
         output = self.scheduler.schedule()
@@ -149,20 +142,7 @@ class HybridEngine:
         kv_output = KVConnectorOutput(finished_sending=results.finished_sending or None,
                                       finished_recving=results.finished_recving or None,
                                       failed_recving=results.failed_recving, kv_connector_stats=stats)
-        ids = list(sampled)
-        extra = {}
-        if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}:
-            extra["req_id_to_index"] = {rid: i for i, rid in enumerate(ids)}
-        runner_output = ModelRunnerOutput(
-            req_ids=ids, sampled_token_ids=[sampled[rid] for rid in ids], logprobs=None,
-            prompt_logprobs_dict={}, pooler_output=None,
-            kv_connector_output=None if kv_output.is_empty() else kv_output, **extra)
-        for outputs in self.scheduler.update_from_output(output, runner_output).values():
-            if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
-                self.stats.update(outputs.scheduler_stats.kv_connector_stats)
-            for engine_output in outputs.outputs:
-                if engine_output.finish_reason is not None:
-                    self.finished[engine_output.request_id] = engine_output
+        finish_step(self.scheduler, output, sampled, kv_output, self.stats, self.finished)
         return output
 
     def _forward(self, output: Any) -> dict[str, list[int]]:
@@ -217,13 +197,7 @@ class HybridEngine:
         return params
 
     def wait_saved(self) -> None:
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while self.worker.worker._saves_in_flight:
-            assert time.monotonic() < deadline, "a save did not finish"
-            time.sleep(0.002)
-        late = self.worker.get_kv_connector_stats()
-        if late is not None:
-            self.stats.update(late.reduce())
+        wait_saved(self.worker, self.stats)
 
     def assert_loaded(self, req_id: str, start: int, stop: int, window: int, local: bool = False) -> None:
         """The decode's blocks hold exactly what the prefill computed: the full layer at ``start..stop-1``,
@@ -259,15 +233,6 @@ class HybridEngine:
         assert not c._requests
         w = self.worker.worker
         assert not (w._gathered or w._received or w._failed or w._failed_requests)
-
-
-def redis_keys(url: str, namespace: str) -> list[bytes]:
-    client = redis.Redis.from_url(url)
-    try:
-        return sorted(key for key in client.scan_iter(match=f"{namespace}:*", count=1000)
-                      if key != tally_key(namespace).encode())
-    finally:
-        client.close()
 
 
 @pytest.fixture
@@ -385,25 +350,6 @@ def test_a_decode_with_another_window_computes_and_names_it(make_engine) -> None
     assert redis_keys(consumer.redis_url, consumer.namespace) == []
 
 
-def test_reuse_a_conversation_resumes_at_the_last_chunk_boundary(make_engine) -> None:
-    """Reuse mode: turn 2 extends turn 1; its lookup finds turn 1's full chunks and the window blocks before
-    turn 1's last chunk boundary, loads them, and computes the rest."""
-    first, second = make_engine("kv_both", reuse=True), make_engine("kv_both", reuse=True)
-    turn1 = prompt_of(230, seed=4)
-    first.add("a", turn1, max_tokens=1)
-    first.finish("a")
-    first.wait_saved()
-    turn2 = turn1 + prompt_of(80, seed=5)
-    second.add("b", turn2, max_tokens=1)
-    second.finish("b")
-    chunk = second.connector.endpoint.transfers.chunk_tokens
-    resume = (len(turn1) - 1) // chunk * chunk
-    assert second.new_reqs["b"].num_computed_tokens == resume
-    second.assert_loaded("b", 0, resume, WINDOW)
-    first.assert_empty()
-    second.assert_empty()
-
-
 @pytest.mark.parametrize("mamba_type", ["MAMBA1", "MAMBA2", "GDN_ATTN"])
 def test_a_state_model_resumes_at_the_prompts_last_block_boundary(make_engine, mamba_type: str) -> None:
     """A Mamba/GDN group beside full attention: the state after the prompt's last block boundary (where
@@ -442,26 +388,6 @@ def test_a_state_model_stores_nothing_for_a_prompt_within_its_first_block(make_e
     consumer.assert_empty()
 
 
-def test_reuse_a_state_models_conversation_resumes_at_the_last_turns_boundary(make_engine) -> None:
-    """Reuse mode, state model: turn 2 finds turn 1's pages and its state at turn 1's last block boundary,
-    and resumes there."""
-    kinds = ("full", "state")
-    first, second = (make_engine("kv_both", kinds=kinds, reuse=True),
-                     make_engine("kv_both", kinds=kinds, reuse=True))
-    turn1 = prompt_of(230, seed=8)
-    first.add("a", turn1, max_tokens=1)
-    first.finish("a")
-    first.wait_saved()
-    turn2 = turn1 + prompt_of(80, seed=9)
-    second.add("b", turn2, max_tokens=1)
-    second.finish("b")
-    resume = (len(turn1) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert second.new_reqs["b"].num_computed_tokens == resume
-    second.assert_loaded("b", 0, resume, 0)
-    first.assert_empty()
-    second.assert_empty()
-
-
 def test_a_decode_whose_state_differs_computes_and_names_it(make_engine) -> None:
     """Another state shape (a conv kernel, a TP size or a state dtype of its own): the announcement says so,
     and the decode computes at once instead of reading chunks that cannot fit."""
@@ -477,3 +403,26 @@ def test_a_decode_whose_state_differs_computes_and_names_it(make_engine) -> None
     consumer.assert_empty()
     producer.assert_empty()
     assert redis_keys(consumer.redis_url, consumer.namespace) == []
+
+
+@pytest.mark.parametrize("kinds", [("full", "window"), ("full", "state")], ids=["sliding-window", "state"])
+def test_reuse_a_conversation_resumes_where_the_last_turn_was_stored(make_engine,
+                                                                      kinds: tuple[str, ...]) -> None:
+    """Reuse mode: turn 2 extends turn 1; its lookup finds turn 1's full chunks and, at turn 1's last chunk
+    boundary, the window's blocks before it (or the state there: a state model's chunk is a block), loads
+    them, and computes the rest."""
+    first = make_engine("kv_both", kinds=kinds, reuse=True)
+    second = make_engine("kv_both", kinds=kinds, reuse=True)
+    turn1 = prompt_of(230, seed=4)
+    first.add("a", turn1, max_tokens=1)
+    first.finish("a")
+    first.wait_saved()
+    turn2 = turn1 + prompt_of(80, seed=5)
+    second.add("b", turn2, max_tokens=1)
+    second.finish("b")
+    chunk = second.connector.endpoint.transfers.chunk_tokens
+    resume = (len(turn1) - 1) // chunk * chunk
+    assert second.new_reqs["b"].num_computed_tokens == resume
+    second.assert_loaded("b", 0, resume, WINDOW)
+    first.assert_empty()
+    second.assert_empty()

@@ -32,6 +32,7 @@ import redis
 import torch
 from conftest import BLOCK_SIZE
 from redis_servers import RedisServer
+from scheduler_steps import STEP_TIMEOUT_S, finish_step, new_request, redis_keys, wait_saved
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -43,10 +44,10 @@ from vllm.config import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -64,7 +65,6 @@ NUM_BLOCKS = 64
 MAX_LEN = 1024
 TOKEN_BUDGET = 128  # prompts longer than this prefill in several chunks
 SAMPLED = 7  # the token every fake forward "samples" (not EOS)
-STEP_TIMEOUT_S = 10.0
 
 init_none_hash(sha256)
 
@@ -111,12 +111,7 @@ class Engine:
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2,
             params: dict[str, Any] | None = None, **fields: Any) -> Request:
         """Add a request; ``fields`` are more of ``Request``'s (``lora_request``, ``cache_salt``, ...)."""
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                  extra_args={"kv_transfer_params": params} if params is not None else None)
-        sampling.update_from_generation_config({}, 2)
-        request = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sampling,
-                          pooling_params=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-                          **{"mm_features": None, **fields})
+        request = new_request(req_id, prompt, max_tokens, params, **fields)
         self.scheduler.add_request(request)
         return request
 
@@ -147,20 +142,7 @@ class Engine:
         self.recved |= set(recving or ())
         kv_output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                       invalid_block_ids=invalid, kv_connector_stats=stats)
-        ids = list(sampled)
-        extra = {}
-        if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}:  # not 0.34
-            extra["req_id_to_index"] = {rid: i for i, rid in enumerate(ids)}
-        runner_output = ModelRunnerOutput(
-            req_ids=ids, sampled_token_ids=[sampled[rid] for rid in ids], logprobs=None,
-            prompt_logprobs_dict={}, pooler_output=None,
-            kv_connector_output=None if kv_output.is_empty() else kv_output, **extra)
-        for outputs in self.scheduler.update_from_output(output, runner_output).values():
-            if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
-                self.stats.update(outputs.scheduler_stats.kv_connector_stats)
-            for engine_output in outputs.outputs:
-                if engine_output.finish_reason is not None:
-                    self.finished[engine_output.request_id] = engine_output
+        finish_step(self.scheduler, output, sampled, kv_output, self.stats, self.finished)
         return output
 
     def _forward(self, output: Any) -> dict[str, list[int]]:
@@ -225,15 +207,8 @@ class Engine:
         return params
 
     def wait_saved(self) -> None:
-        """Until the writer threads stored every entry handed to them; their counts join ``stats`` (vLLM
-        would collect them at its next step)."""
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while self.worker.worker._saves_in_flight:
-            assert time.monotonic() < deadline, "a save did not finish"
-            time.sleep(0.002)
-        late = self.worker.get_kv_connector_stats()
-        if late is not None:
-            self.stats.update(late.reduce())
+        """Until the writer threads stored every entry handed to them (their counts join ``stats``)."""
+        wait_saved(self.worker, self.stats)
 
     def wait_loaded(self, req_id: str) -> None:
         """Until the request's load has finished, no step run: finished on its thread (reported with the next
@@ -270,16 +245,6 @@ class Engine:
         assert not c._requests
         w = self.worker.worker
         assert not (w._gathered or w._received or w._failed or w._failed_reported)
-
-
-def redis_keys(url: str, namespace: str) -> list[bytes]:
-    """The namespace's keys but its tally (the schedulers' lookup counts, not KV)."""
-    client = redis.Redis.from_url(url)
-    try:
-        return sorted(key for key in client.scan_iter(match=f"{namespace}:*", count=1000)
-                      if key != tally_key(namespace).encode())
-    finally:
-        client.close()
 
 
 def assert_nothing_left(*engines: Any) -> None:

@@ -1,0 +1,75 @@
+"""What the scheduler-level tests share (``test_scheduler.py``, ``test_hybrid.py``): a request as vLLM's
+serving layer builds it, a step's model-runner output handed to the real ``Scheduler`` as vLLM's engine
+core does, the writers' late counts, and the keys a test's namespace holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from typing import Any
+
+import redis
+from conftest import BLOCK_SIZE
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+
+from kvredis.tally import tally_key
+
+STEP_TIMEOUT_S = 10.0
+
+
+def new_request(req_id: str, prompt: list[int], max_tokens: int = 2, params: dict[str, Any] | None = None,
+                **fields: Any) -> Request:
+    """A greedy request; ``params`` its ``kv_transfer_params``, ``fields`` more of ``Request``'s."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                              extra_args={"kv_transfer_params": params} if params is not None else None)
+    sampling.update_from_generation_config({}, 2)
+    return Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sampling,
+                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+                   **{"mm_features": None, **fields})
+
+
+def finish_step(scheduler: Any, output: Any, sampled: dict[str, list[int]], kv_output: KVConnectorOutput,
+                stats: Counter[str], finished: dict[str, Any]) -> None:
+    """Hand the scheduler the step's model-runner output; add the connector's stats to ``stats`` and the
+    requests that finished to ``finished``."""
+    ids = list(sampled)
+    extra = {}
+    if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}:  # not 0.34
+        extra["req_id_to_index"] = {rid: i for i, rid in enumerate(ids)}
+    runner_output = ModelRunnerOutput(
+        req_ids=ids, sampled_token_ids=[sampled[rid] for rid in ids], logprobs=None,
+        prompt_logprobs_dict={}, pooler_output=None,
+        kv_connector_output=None if kv_output.is_empty() else kv_output, **extra)
+    for outputs in scheduler.update_from_output(output, runner_output).values():
+        if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
+            stats.update(outputs.scheduler_stats.kv_connector_stats)
+        for engine_output in outputs.outputs:
+            if engine_output.finish_reason is not None:
+                finished[engine_output.request_id] = engine_output
+
+
+def wait_saved(worker: Any, stats: Counter[str]) -> None:
+    """Until the worker-role connector's writer threads stored every prompt handed to them; their counts join
+    ``stats`` (vLLM would collect them at its next step)."""
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while worker.worker._saves_in_flight:
+        assert time.monotonic() < deadline, "a save did not finish"
+        time.sleep(0.002)
+    late = worker.get_kv_connector_stats()
+    if late is not None:
+        stats.update(late.reduce())
+
+
+def redis_keys(url: str, namespace: str) -> list[bytes]:
+    """The namespace's keys but its tally (the schedulers' lookup counts, not KV)."""
+    client = redis.Redis.from_url(url)
+    try:
+        return sorted(key for key in client.scan_iter(match=f"{namespace}:*", count=1000)
+                      if key != tally_key(namespace).encode())
+    finally:
+        client.close()
