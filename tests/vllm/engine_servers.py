@@ -335,6 +335,25 @@ def tokens_of(answer: dict[str, Any]) -> list[int]:
     return list(answer["choices"][0]["token_ids"])
 
 
+def openai_client(url: str) -> Any:
+    """The ``openai`` client of the engine or proxy at ``url``, as an operator's application makes it."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+
+
+def completion_tokens(client: Any, model: str, prompt: list[int], max_tokens: int = DECODE_TOKENS, *,
+                      stream: bool = False, **extra: Any) -> list[int]:
+    """A greedy completion's generated token IDs (``ignore_eos``), through the ``openai`` client."""
+    created = client.completions.create(
+        model=model, prompt=prompt_text(prompt), max_tokens=max_tokens, temperature=0.0, stream=stream,
+        extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
+    if stream:
+        return [token for chunk in created for choice in chunk.choices
+                for token in (choice.model_extra or {}).get("token_ids") or []]
+    return list(created.choices[0].model_extra["token_ids"])
+
+
 def cached_tokens(answer: dict[str, Any]) -> int:
     """The prompt tokens vLLM reports cached. A decode given a prefill's kv_transfer_params
     (``do_remote_prefill``) reports the prefill's own prefix-cache hit, not what it loaded: read

@@ -30,7 +30,9 @@ from engine_servers import (
     Disaggregated,
     Proxy,
     Server,
+    completion_tokens,
     kv_transfer_config,
+    openai_client,
     prompt_of,
     start_proxy,
     start_redis,
@@ -72,7 +74,7 @@ class Hybrid(Disaggregated):
     proxy: Proxy
 
     def client(self, where: Server | Proxy) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{where.url}/v1", api_key="unused", timeout=300.0, max_retries=0)
+        return openai_client(where.url)
 
     def block_size(self) -> int:
         """The block size vLLM chose for the decode (raised to fit a Mamba state's page)."""
@@ -129,13 +131,7 @@ def clean_slate(hybrid: Hybrid) -> Iterator[None]:
 
 
 def complete(hybrid: Hybrid, where: Server | Proxy, prompt: list[int], *, stream: bool = False) -> list[int]:
-    created = hybrid.client(where).completions.create(
-        model=hybrid.reference.model, prompt=prompt_text(prompt), max_tokens=8, temperature=0.0,
-        stream=stream, extra_body={"ignore_eos": True, "return_token_ids": True})
-    if stream:
-        return [token for chunk in created for choice in chunk.choices
-                for token in (choice.model_extra or {}).get("token_ids") or []]
-    return list(created.choices[0].model_extra["token_ids"])
+    return completion_tokens(hybrid.client(where), hybrid.reference.model, prompt, stream=stream)
 
 
 def kv_cache_tokens(server: Server) -> int:

@@ -35,8 +35,10 @@ from engine_servers import (
     Disaggregated,
     Proxy,
     Server,
+    completion_tokens,
     counter_delta,
     kv_transfer_config,
+    openai_client,
     prompt_of,
     start_proxy,
     start_redis,
@@ -52,7 +54,6 @@ from kvredis.config import KVRedisConfig
 from kvredis.tinymodel import prompt_text
 
 START_TIMEOUT_S = 600.0  # four engines with LoRA on two cores: 2-4 minutes, more when the VM stalls
-REQUEST_TIMEOUT_S = 300.0
 DECODE_BLOCKS = 40  # x 32 tokens: three 400-token requests fill it
 MAX_MODEL_LEN = 1024
 COUNTERS_BOUND_S = 90.0
@@ -72,8 +73,7 @@ class Serving(Disaggregated):
     adapters: list[str] = field(default_factory=list)
 
     def client(self, server: Server | Proxy) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S,
-                             max_retries=0)
+        return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")
@@ -134,17 +134,8 @@ def clean_slate(serving: Serving) -> Iterator[None]:
 def complete(serving: Serving, where: Server | Proxy, prompt: list[int], max_tokens: int = 8, *,
              model: str | None = None, stream: bool = False, **extra: Any) -> list[int]:
     """A greedy completion's generated token IDs, through the ``openai`` client."""
-    body = {"ignore_eos": True, "return_token_ids": True, **extra}
-    created = serving.client(where).completions.create(
-        model=model or serving.reference.model, prompt=prompt_text(prompt), max_tokens=max_tokens,
-        temperature=0.0, stream=stream, extra_body=body)
-    if stream:
-        tokens: list[int] = []
-        for chunk in created:
-            for choice in chunk.choices:
-                tokens += (choice.model_extra or {}).get("token_ids") or []
-        return tokens
-    return list(created.choices[0].model_extra["token_ids"])
+    return completion_tokens(serving.client(where), model or serving.reference.model, prompt, max_tokens,
+                             stream=stream, **extra)
 
 
 def chat(serving: Serving, where: Server | Proxy, messages: list[dict[str, str]], max_tokens: int = 8, *,

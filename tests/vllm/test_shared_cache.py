@@ -25,6 +25,7 @@ from engine_servers import (
     NamespaceKeys,
     Server,
     kv_transfer_config,
+    openai_client,
     prompt_of,
     start_redis,
     start_server,
@@ -53,9 +54,7 @@ class Pair(NamespaceKeys):
     namespace: str
 
     def client(self, server: Server) -> Any:
-        import openai
-
-        return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300.0, max_retries=0)
+        return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")
