@@ -73,3 +73,12 @@ def redis_keys(url: str, namespace: str) -> list[bytes]:
                       if key != tally_key(namespace).encode())
     finally:
         client.close()
+
+
+def lookups_ready(connector: Any) -> None:
+    """Until the scheduler-role connector's lookup thread has opened its connection, as it has in an engine
+    by its first request (a real engine takes seconds to start; a test's scheduler none): the first lookup
+    then answers within its step's wait, as every later one does."""
+    scheduler = connector.scheduler
+    if scheduler is not None:
+        scheduler._lookup_thread.submit(lambda: None).result(timeout=STEP_TIMEOUT_S)

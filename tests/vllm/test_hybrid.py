@@ -27,7 +27,7 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 import redis
 import torch
 from conftest import BLOCK_SIZE
-from scheduler_steps import STEP_TIMEOUT_S, finish_step, new_request, redis_keys, wait_saved
+from scheduler_steps import STEP_TIMEOUT_S, finish_step, lookups_ready, new_request, redis_keys, wait_saved
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
@@ -274,6 +274,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
         worker.register_kv_caches(caches)
         engine = HybridEngine(scheduler, worker, caches, {names[k]: i for i, k in enumerate(kinds)},
                               real_redis_url, namespace)
+        lookups_ready(engine.connector)
         engines.append(engine)
         return engine
 

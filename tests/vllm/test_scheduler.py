@@ -32,7 +32,7 @@ import redis
 import torch
 from conftest import BLOCK_SIZE
 from redis_servers import RedisServer
-from scheduler_steps import STEP_TIMEOUT_S, finish_step, new_request, redis_keys, wait_saved
+from scheduler_steps import STEP_TIMEOUT_S, finish_step, lookups_ready, new_request, redis_keys, wait_saved
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -292,6 +292,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
         caches = {name: torch.zeros(num_blocks, HEADS, BLOCK_SIZE, WIDTH) for name in layers}
         worker.register_kv_caches(caches)
         engine = Engine(scheduler, worker, caches, url, namespace, num_blocks=num_blocks)
+        lookups_ready(engine.connector)
         engines.append(engine)
         return engine
 
