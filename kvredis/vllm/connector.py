@@ -80,7 +80,7 @@ class KVRedisConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # the base class refused a missing one
         config = KVRedisConfig.from_env(overrides=transfer.kv_connector_extra_config or {})
-        refuse_unsupported(vllm_config, kv_cache_config)
+        refuse_unsupported(vllm_config)
         worker = role == KVConnectorRole.WORKER
         series = cache_series(kv_cache_config) if kv_cache_config is not None else ()
         # Without a way to move a Mamba layer's state, no prompt can be resumed from Redis: the engine serves

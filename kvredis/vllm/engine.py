@@ -93,7 +93,7 @@ def _weights(model_config: Any) -> str:
             f"quantization {getattr(model_config, 'quantization', None)}, positions {digest}")
 
 
-def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
+def refuse_unsupported(vllm_config: VllmConfig) -> None:
     """Raise :class:`~kvredis.ConfigError` for a configuration whose pages the connector cannot move (kinds
     of layers it cannot store are refused by :func:`kvredis.vllm.cache_groups.cache_series`)."""
     parallel = vllm_config.parallel_config

@@ -1208,17 +1208,17 @@ def test_configurations_the_pages_cannot_express_are_refused() -> None:
     window = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=WIDTH // 2,
                                dtype=torch.float32, sliding_window=128)
     one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], full)])
-    refuse_unsupported(config(), one)
+    assert [(s.tag, s.kind) for s in cache_series(one)] == [("", "full")]  # a plain model keeps its keys
+    refuse_unsupported(config())
     with pytest.raises(ConfigError, match=r"-dcp"):
-        refuse_unsupported(config(dcp=2), one)
+        refuse_unsupported(config(dcp=2))
     with pytest.raises(ConfigError, match=r"-pcp"):
-        refuse_unsupported(config(pcp=2), one)
+        refuse_unsupported(config(pcp=2))
     # Kinds of layers kvredis cannot store are refused when their series are made.
     cross = CrossAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=WIDTH // 2,
                                dtype=torch.float32)
     encoder_decoder = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["x"], cross)])
-    refuse_unsupported(config(), encoder_decoder)
     with pytest.raises(ConfigError, match="CrossAttentionSpec"):
         cache_series(encoder_decoder)
     hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
