@@ -453,13 +453,15 @@ def test_an_announcement_for_other_tokens_is_not_waited_for(make_engine, caplog)
 
 def test_a_miss_computes_the_prompt(make_engine) -> None:
     """Nothing in Redis, nothing announced: 0 external tokens, the whole prompt is computed at once."""
-    consumer = make_engine("kv_consumer")
+    consumer = make_engine("kv_consumer", pop_timeout_s=60.0)
     started = time.monotonic()
     consumer.add("c", prompt_of(70, seed=3))
-    first = consumer.step()
-    assert time.monotonic() - started < 1.0  # a lookup, not a wait
+    # Scheduled once Redis answered the lookup: at the first step unless the host stalls past the step's
+    # few-millisecond wait for it, never after a pop's wait (60 s here).
+    consumer.run(lambda: "c" in consumer.new_reqs)
+    assert time.monotonic() - started < 30.0  # a lookup, not a wait
     assert consumer.new_reqs["c"].num_computed_tokens == 0
-    assert first.num_scheduled_tokens["c"] == 70
+    assert consumer.scheduled["c"] == [70]  # the whole prompt at once
     consumer.finish("c")
     assert consumer.stats == Counter(lookup_tokens=69) and consumer.invalid_blocks == []  # found none
     consumer.assert_empty()
