@@ -12,8 +12,6 @@ Everything here is read from a peer, so each field is checked before it names a 
   handed another request's announcement sees that it is not its own;
 - ``engine``: what decides whether the pages fit another engine (:data:`ENGINE_FIELDS`);
 - ``shards``: the key prefix of every rank that writes a shard (tensor and pipeline parallelism);
-- ``readers``: how many ranks read each shard (ranks holding the same KV, MLA's: one copy is written, and
-  each reader takes it under a transfer id of its own, :func:`kvredis.keys.reader_id`); 1 if absent;
 - ``prompt_tokens``: the prompt's length, for logs.
 """
 
@@ -24,23 +22,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvredis.keys import check_digest, check_entry_id, reader_id
+from kvredis.keys import check_digest, check_entry_id
 
 TRANSFER_PARAM = "kvredis"
 """The key under which the producer announces an entry in ``kv_transfer_params``."""
 
 ENGINE_FIELDS = {
     "namespace": "namespace", "model": "model", "kv_dtype": "KV dtype", "layout": "page layout",
-    "block_size": "block size", "tp_size": "tensor-parallel size", "format_version": "entry format",
+    "block_size": "block size", "kv_heads": "KV heads", "format_version": "entry format",
     "weights": "model weights and settings", "layers": "KV cache layers", "chunk_tokens": "chunk length",
     "series": "KV cache groups (attention kinds and windows)",
-    "kv_replicas": "ranks sharing one copy of the KV",
 }
-"""The fields an announcement carries about the producer's engine, and how a warning names each."""
+"""The fields an announcement carries about the producer's engine, and how a warning names each (the engine
+also says ``kv_parts``, the ranges its KV heads are split in: a reader's need only nest with them)."""
 
 _SHARD_PREFIX = re.compile(r"\A[A-Za-z0-9_.-]{1,64}:[0-9a-f]{16}(:(?:[wl][0-9]{1,9}|s))?\Z")
 _MAX_SHARDS = 1024
-_MAX_READERS = 1024
 
 
 class MalformedAnnouncement(ValueError):
@@ -58,13 +55,11 @@ class Announcement:
     engine: Mapping[str, Any] | None = None
     shards: tuple[str, ...] | None = None
     prompt_tokens: int | None = None
-    readers: int = 1
 
     def transfer_ids(self) -> list[str]:
-        """The ids under which each reader of a shard takes the transfer (the announced one first)."""
-        if self.entry_id is None:
-            return []
-        return [reader_id(self.entry_id, reader) for reader in range(self.readers)]
+        """The ids of the transfer's records in each shard (the announced one; the ranks of a decode that
+        read one shard together hand it on to each other under ids of their own)."""
+        return [] if self.entry_id is None else [self.entry_id]
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` that announce this transfer to a decode: vLLM's own P/D fields (a decode
@@ -72,8 +67,7 @@ class Announcement:
         its cached tokens, and has vLLM clean up when its serving layer rejects it) and kvredis's."""
         fields = {"prompt_tokens": self.prompt_tokens, "entry": self.entry_id, "digest": self.digest,
                   "context": self.context, "engine": dict(self.engine) if self.engine is not None else None,
-                  "shards": list(self.shards) if self.shards is not None else None,
-                  "readers": self.readers if self.readers > 1 else None}
+                  "shards": list(self.shards) if self.shards is not None else None}
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 TRANSFER_PARAM: {name: value for name, value in fields.items() if value is not None}}
 
@@ -107,9 +101,6 @@ def read_announcement(params: Any) -> Announcement | None:
     context = announced.get("context")
     engine = announced.get("engine")
     tokens = announced.get("prompt_tokens")
-    readers = announced.get("readers", 1)
-    if type(readers) is not int or not 1 <= readers <= _MAX_READERS:
-        raise MalformedAnnouncement(f"an announcement naming {readers!r} readers")
     return Announcement(
         entry_id,
         digest,
@@ -117,7 +108,6 @@ def read_announcement(params: Any) -> Announcement | None:
         engine if isinstance(engine, Mapping) else None,
         _shards(announced.get("shards")),
         tokens if type(tokens) is int else None,
-        readers,
     )
 
 

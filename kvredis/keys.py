@@ -44,12 +44,14 @@ class CacheIdentity:
     tp_size: int = 1
     format_version: int = FORMAT_VERSION
     weights: str = ""  # what else decides the KV a model computes: weights' dtype, quantization, rope...
+    kv_heads: str = ""  # the KV heads a vLLM engine's chunk holds, "first-end/total" (in place of the rank)
 
     def digest(self) -> str:
         """A short stable hex digest of every field (part of each key)."""
         fields = asdict(self)
-        if not self.weights:
-            del fields["weights"]  # identities that do not say keep the keys they always had
+        for optional in ("weights", "kv_heads"):
+            if not fields[optional]:
+                del fields[optional]  # identities that do not say keep the keys they always had
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(canonical, digest_size=8).hexdigest()
 

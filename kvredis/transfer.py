@@ -223,19 +223,25 @@ class Transfers:
     # -- the consumer --------------------------------------------------------------------------------
 
     def take(self, plan: ChunkPlan, start: int, stop: int, page_format: PageFormat, *,
-             transfer_id: str | None = None) -> Taken:
+             transfer_id: str | None = None, hand_on: tuple[str, ...] = (), keep: bool = False) -> Taken:
         """The pages of the chunks covering positions ``start..stop-1``, waiting up to the pop timeout for
         the transfer's record when it has an id; then the transfer's holds are released (with no id, the
-        chunks up to the last one read are deleted where no transfer holds them)."""
+        chunks up to the last one read are deleted where no transfer holds them). ``hand_on``: the ids under
+        which other readers of the same chunks take the transfer (ranks of a decode holding the same KV
+        heads): once the record is here, each gets holds and a record of its own. ``keep``: a take without
+        an id deletes nothing (other ranks read the same chunks)."""
         indexes = plan.covering(start, stop)
         if plan.num_chunks == 1 and self._inline(plan, transfer_id,
                                                  self.chunks.pages_nbytes(plan, 0, page_format)):
             assert transfer_id is not None
-            return self._take_inline(plan, indexes, page_format, transfer_id)
+            return self._take_inline(plan, indexes, page_format, transfer_id, hand_on)
+        if hand_on and transfer_id is not None:
+            return self._take_stepwise(plan, indexes, page_format, transfer_id,
+                                       popped=self._pop_record(transfer_id, hand_on))
         # Without a transfer the prompt's stored chunks are taken as an entry was, whole: those before the
         # ones read (the decode's prefix cache held them) go too. In reuse mode nothing goes.
         release: tuple[str, ...] = plan.digests if transfer_id is not None else plan.digests[:indexes.stop]
-        if self.reuse:
+        if self.reuse or (keep and transfer_id is None):
             release = ()
         queue = None if transfer_id is None else self.record_key(transfer_id)
         try:
@@ -246,7 +252,7 @@ class Transfers:
             self._release_quietly(release, transfer_id or NOBODY)  # the pipeline may have stopped before it
             raise
         if combined is None:  # a cluster or a stand-in client: one step after the other
-            return self._take_stepwise(plan, indexes, page_format, transfer_id)
+            return self._take_stepwise(plan, indexes, page_format, transfer_id, keep=keep)
         record, reads = combined
         # The record this prompt's save pushed, byte for byte, needs no decoding; anything else is decoded to
         # tell why it does not fit.
@@ -262,11 +268,11 @@ class Transfers:
         return _leading(indexes, reads)
 
     def _take_inline(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
-                     transfer_id: str) -> Taken:
+                     transfer_id: str, hand_on: tuple[str, ...] = ()) -> Taken:
         """:meth:`take` of a small transfer: its record's pop, the chunk it carries checked (any other
         record, one carrying none from a prefill that judged otherwise say, is taken as
         :meth:`_take_stepwise` does)."""
-        record = self._pop_record(transfer_id)
+        record = self._pop_record(transfer_id, hand_on)
         expected = self._record(plan, transfer_id, inline=True)
         if isinstance(record, (bytes, bytearray)) and record.startswith(expected):
             # The record this save pushed, byte for byte: the chunk follows it.
@@ -284,7 +290,7 @@ class Transfers:
         return _leading(indexes, [read])
 
     def _take_stepwise(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
-                       transfer_id: str | None, popped: Any = _NOT_POPPED) -> Taken:
+                       transfer_id: str | None, popped: Any = _NOT_POPPED, keep: bool = False) -> Taken:
         """:meth:`take` a round trip at a time: the record (unless ``popped`` already), then (if it fits) the
         chunks, then the release."""
         held: tuple[str, ...] = ()
@@ -302,17 +308,41 @@ class Transfers:
         finally:
             # Without a transfer the prompt's stored chunks are taken as an entry was, whole: those before
             # the ones read (the decode's prefix cache held them) go too.
-            done = held if transfer_id is not None else () if self.reuse else plan.digests[:indexes.stop]
+            kept = self.reuse or keep
+            done = held if transfer_id is not None else () if kept else plan.digests[:indexes.stop]
             if done:
                 self._release_quietly(done, transfer_id or NOBODY)
 
-    def _pop_record(self, transfer_id: str) -> Any:
+    def _pop_record(self, transfer_id: str, hand_on: tuple[str, ...] = ()) -> Any:
         """The transfer's record, waiting up to the pop timeout: its bytes, ``None`` if none came, or the
-        error of a key holding another type."""
+        error of a key holding another type; handed on to the readers ``hand_on`` first."""
         try:
-            return self.store.pop_record(self.record_key(transfer_id), self.pop_timeout_s)
+            record = self.store.pop_record(self.record_key(transfer_id), self.pop_timeout_s)
         except WrongTypeError as exc:
             return exc
+        if hand_on and record is not None:
+            self._hand_on(record, transfer_id, hand_on)
+        return record
+
+    def _hand_on(self, record: bytes | bytearray, transfer_id: str, others: tuple[str, ...]) -> None:
+        """Give each of ``others`` the transfer whose record was popped: holds on the chunks it holds, then a
+        record of its own (a record that cannot be read is not handed on: the others find none, and compute
+        the prompt, as this take does)."""
+        try:
+            parsed = parse_record(record, transfer_id, self.prefix)
+            head = _RECORD_HEAD.unpack_from(record)
+        except (CodecError, struct.error):
+            return
+        magic, tokens, chunk_tokens = head[:3]
+        if magic not in (RECORD_MAGIC, INLINE_MAGIC, SHARED_MAGIC):
+            return  # a record of an earlier kvredis
+        for other in others:
+            if parsed.held:
+                self.chunks.present(list(parsed.held), holder=other)
+            copy = encode_record(self.prefix, other, parsed.digests, tokens, chunk_tokens,
+                                 inline=magic == INLINE_MAGIC, holds=magic != SHARED_MAGIC)
+            self.store.push_record(self.record_key(other),
+                                   [copy, parsed.inline] if parsed.inline is not None else copy, self.ttl_ms)
 
     def _checked_record(self, plan: ChunkPlan, transfer_id: str, record: Any) -> tuple[str, Record | None]:
         """Why a popped record (:meth:`_pop_record`) does not fit ``plan`` (or ``"hit"``), and the record

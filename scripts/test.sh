@@ -66,7 +66,8 @@ export KVREDIS_REQUIRE_VLLM=1
 # and put first on PYTHONPATH of the 0.32 CPU environment. No engine starts in these files, so no kernel
 # runs. KVREDIS_EXPECT_VLLM makes the run fail unless that release is the vLLM imported, and on any skip.
 VLLM_OVERLAYS=(0.33.0 0.34.0)
-VLLM_SCHEDULER_TESTS=(tests/vllm/test_scheduler.py tests/vllm/test_hybrid.py tests/vllm/test_early_loads.py
+VLLM_SCHEDULER_TESTS=(tests/vllm/test_scheduler.py tests/vllm/test_hybrid.py tests/vllm/test_mixed_tp.py
+  tests/vllm/test_early_loads.py
   tests/vllm/test_sleep_mode.py tests/vllm/test_preemption.py tests/vllm/test_supported_versions.py
   tests/vllm/test_cuda_path.py)
 for version in "${VLLM_OVERLAYS[@]}"; do

@@ -352,6 +352,7 @@ def test_equal_identities_have_equal_digests() -> None:
         ("block_size", 32),
         ("tp_rank", 0),
         ("tp_size", 4),
+        ("kv_heads", "0-2/4"),
         ("format_version", FORMAT_VERSION + 1),
     ],
 )

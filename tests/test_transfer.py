@@ -16,8 +16,8 @@ from kvredis.buffer import RedisLookupBuffer
 from kvredis.chunk_store import PageFormat
 from kvredis.client import RedisStore
 from kvredis.errors import CodecError, KVRedisConnectionError
-from kvredis.keys import new_entry_id
-from kvredis.transfer import Transfers
+from kvredis.keys import new_entry_id, reader_id
+from kvredis.transfer import Taken, Transfers
 
 BLOCK = 16
 CHUNK = 32
@@ -592,3 +592,50 @@ def test_in_reuse_mode_a_decode_that_lacks_nothing_takes_the_record_only(make_sh
     transfers.save(plan, prompt_pages(40), transfer_id=transfer)
     assert (transfers.take(plan, 40, 40, FORMAT, transfer_id=transfer).cause) == "hit"
     assert sorted(keys_left(transfers)) == sorted(chunk_keys_of(transfers, plan))
+
+
+@pytest.mark.parametrize("tokens", [100, 20], ids=["in chunks", "inside its record"])
+def test_a_transfer_handed_on_is_taken_by_every_reader_and_nothing_is_left(make_transfers,
+                                                                           tokens: int) -> None:
+    """Ranks of a decode that read the same KV heads (TP 1 -> 2, MLA): the first takes the announced record
+    and hands the transfer on (holds and a record each); each reader gets every chunk, whatever the order
+    they come in, and the last release deletes them."""
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(tokens)))
+    transfer = new_entry_id()
+    others = (reader_id(transfer, 1), reader_id(transfer, 2))
+    transfers.save(plan, prompt_pages(tokens), transfer_id=transfer)
+    waiting: list[Taken] = []
+    second = threading.Thread(target=lambda: waiting.append(
+        transfers.take(plan, 0, tokens - 1, FORMAT, transfer_id=others[1])))
+    second.start()  # waits for its record: the first reader has not handed it on yet
+    first = transfers.take(plan, 0, tokens - 1, FORMAT, transfer_id=transfer, hand_on=others)
+    third = transfers.take(plan, 0, tokens - 1, FORMAT, transfer_id=others[0])
+    second.join(timeout=10)
+    for taken in (first, third, *waiting):
+        assert taken.cause == "hit" and torch.equal(torch.cat(taken.chunks, dim=1), prompt_pages(tokens))
+    assert len(waiting) == 1
+    assert keys_left(transfers) == []
+
+
+def test_a_record_not_there_is_handed_on_to_nobody(make_transfers) -> None:
+    """The first reader finds no record in time: it hands nothing on, and the others find none either."""
+    transfers = make_transfers(pop_timeout_s=0.2)
+    plan = transfers.plan(list(range(100)))
+    transfer = new_entry_id()
+    taken = transfers.take(plan, 0, 99, FORMAT, transfer_id=transfer, hand_on=(reader_id(transfer, 1),))
+    assert taken.cause == "late"
+    assert transfers.take(plan, 0, 99, FORMAT, transfer_id=reader_id(transfer, 1)).cause == "late"
+    assert keys_left(transfers) == []
+
+
+def test_an_unannounced_take_shared_with_other_readers_deletes_nothing(make_transfers) -> None:
+    """Without a transfer id, ranks reading the same chunks keep them for each other (``keep``)."""
+    transfers = make_transfers()
+    plan = transfers.plan(list(range(100)))
+    transfers.save(plan, prompt_pages(100))
+    for _ in range(2):
+        taken = transfers.take(plan, 0, 99, FORMAT, keep=True)
+        assert taken.cause == "hit" and len(taken.chunks) == 4
+    assert len(keys_left(transfers)) == 4
+    transfers.chunks.delete_keys(keys_left(transfers))

@@ -38,7 +38,7 @@ from kvredis.config import KVRedisConfig
 from kvredis.request_keys import UNHASHED_MULTIMODAL
 from kvredis.vllm.cache_groups import cache_series, unsupported_state
 from kvredis.vllm.endpoint import Endpoint
-from kvredis.vllm.engine import check_vllm_version, kv_replicas, multimodal_inputs_hashed, refuse_unsupported
+from kvredis.vllm.engine import check_vllm_version, multimodal_inputs_hashed, refuse_unsupported
 from kvredis.vllm.metadata import KVRedisConnectorMetadata
 from kvredis.vllm.scheduler import KVRedisScheduler
 from kvredis.vllm.stats import KVRedisPromMetrics, KVRedisStats
@@ -86,8 +86,7 @@ class KVRedisConnector(KVConnectorBase_V1, SupportsHMA):
         # Without a way to move a Mamba layer's state, no prompt can be resumed from Redis: the engine serves
         # with the connector idle rather than not at all.
         idle = unsupported_state(kv_cache_config) if kv_cache_config is not None else None
-        self.endpoint = Endpoint.open(vllm_config, config, worker=worker, series=series,
-                                      replicas=kv_replicas(vllm_config, kv_cache_config))
+        self.endpoint = Endpoint.open(vllm_config, config, worker=worker, series=series)
         self.scheduler: KVRedisScheduler | None = None
         self.worker: KVRedisWorker | None = None
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()

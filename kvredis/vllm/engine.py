@@ -2,7 +2,7 @@
 entry is written for (:func:`cache_identity`), and the configurations whose pages the connector cannot
 move (:func:`refuse_unsupported`), whether it names multimodal inputs by their content
 (:func:`multimodal_inputs_hashed`). The scheduler and every worker compute the same identity from the same
-configuration; a worker adds its tensor- and pipeline-parallel rank.
+configuration; a worker adds the KV heads it holds and its pipeline stage.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from kvredis.errors import ConfigError
 from kvredis.keys import CacheIdentity
+from kvredis.vllm.heads import HeadSplit, part_label
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,14 +37,15 @@ def check_vllm_version(version: str) -> None:
         raise ConfigError(f"kvredis supports vLLM {supported}; this is vLLM {version}")
 
 
-def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0,
-                   replicas: int = 1) -> CacheIdentity:
+def cache_identity(vllm_config: VllmConfig, part: int = 0, pp_rank: int = 0,
+                   parts: int | None = None) -> CacheIdentity:
     """What decides whether a stored KV cache fits this engine, computed alike by scheduler and workers.
 
-    Each tensor- and pipeline-parallel rank stores and loads its own shard of the layers under its own key
-    (the scheduler, which has no rank, looks up rank 0's). Ranks holding the same KV (``replicas`` of them
-    in a row: MLA's latent KV is every rank's) share one shard: it is stored once.
+    Chunks are keyed by the KV heads they hold (:mod:`kvredis.vllm.heads`), not by the tensor-parallel rank
+    or size: ``part`` of the engine's head ranges (or of ``parts`` ranges, another split's), so that engines
+    of any two nesting TP sizes find each other's chunks. Each pipeline stage has its own layers.
     """
+    split = HeadSplit.of(vllm_config)
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     parallel = vllm_config.parallel_config
@@ -51,14 +53,13 @@ def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0,
     if kv_dtype == "auto":
         kv_dtype = str(model_config.dtype).removeprefix("torch.")
     use_mla = bool(getattr(model_config, "use_mla", False))
-    heads = model_config.get_num_kv_heads(parallel)
     head_size = model_config.get_head_size()
     # A page's bytes depend on the platform, the kernel's packing (the CPU ISA) and the physical order;
     # engines that differ in any of these must never share pages.
     layout = ":".join([
         _platform(), _cpu_isa(kv_dtype, cache_config.block_size, head_size),
         str(getattr(cache_config, "kv_cache_layout", None) or "default"),
-        "mla" if use_mla else "mha", f"h{heads}", f"d{head_size}",
+        "mla" if use_mla else "mha", f"d{head_size}",
         f"pp{pp_rank}/{parallel.pipeline_parallel_size}",
     ])
     # Layers left unquantized (--kv-cache-dtype-skip-layers) hold pages of another dtype than the rest.
@@ -68,9 +69,8 @@ def cache_identity(vllm_config: VllmConfig, tp_rank: int, pp_rank: int = 0,
         kv_dtype=f"{kv_dtype} except layers {','.join(unquantized)}" if unquantized else kv_dtype,
         layout=layout,
         block_size=int(cache_config.block_size),
-        tp_rank=tp_rank // replicas,
-        tp_size=int(parallel.tensor_parallel_size) // replicas,
         weights=_weights(model_config),
+        kv_heads=part_label(split.total, parts or split.parts, part),
     )
 
 
@@ -134,16 +134,6 @@ def _cpu_isa(kv_dtype: str, block_size: int, head_size: int) -> str:
         return str(_get_attn_isa(getattr(torch, kv_dtype, torch.float32), block_size, head_size))
     except Exception:  # a private helper that may move between versions
         return "cpu"
-
-
-def kv_replicas(vllm_config: VllmConfig, kv_cache_config: Any) -> int:
-    """How many tensor-parallel ranks in a row hold the same KV (vLLM's ``kv_tp_replicas``: all of them for
-    MLA; a run of ranks where KV heads are replicated over more ranks than there are heads)."""
-    tp = int(vllm_config.parallel_config.tensor_parallel_size)
-    replicas = getattr(kv_cache_config, "kv_tp_replicas", None)
-    if not isinstance(replicas, int) or replicas < 1:
-        replicas = tp if getattr(vllm_config.model_config, "use_mla", False) else 1
-    return replicas if tp % replicas == 0 else 1
 
 
 def worker_tp_rank() -> int:

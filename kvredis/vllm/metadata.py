@@ -31,6 +31,7 @@ class TransferSpec:
     entry_id: str | None = None
     computed: int = 0  # a save: positions computed before its last prefill step (a window's earlier blocks
     # may be freed by then)
+    parts: int = 0  # a load: the number of KV head ranges the chunks were written in (0: this engine's)
 
 
 @dataclass

@@ -28,10 +28,12 @@ from kvredis.errors import KVRedisError
 from kvredis.keys import KeySpace, new_entry_id, prompt_digest
 from kvredis.request_keys import AdapterDigests, request_context
 from kvredis.tally import Tally
-from kvredis.vllm.cache_groups import resume_step
+from kvredis.transfer import Transfers
+from kvredis.vllm.cache_groups import STATE, resume_step
 from kvredis.vllm.discards import Discards
 from kvredis.vllm.endpoint import Endpoint, series_prefix
 from kvredis.vllm.engine import cache_identity
+from kvredis.vllm.heads import sources
 from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec, resume_end, stored_plan, token_list
 
 if TYPE_CHECKING:
@@ -66,6 +68,7 @@ class _Announcement:
     differences: list[str]  # how the producer's engine differs from this one; empty: the chunks fit
     shards: list[str]  # the key prefixes of the producer's ranks, for releasing the transfer unread
     transfer_ids: list[str] = field(default_factory=list)  # each reader's (a shard's ranks share its KV)
+    parts: int = 0  # the KV head ranges the producer wrote (its tensor-parallel split); 0: this engine's
 
 
 @dataclass
@@ -79,8 +82,9 @@ class _RequestState:
     transfer_params: bool = False  # the request carried kv_transfer_params (a proxy's, or a client's own)
     external_stop: int = 0  # the last lookup's answer: positions up to this one can be loaded
     plans: tuple[ChunkPlan, ...] = ()  # the prompt's chunks in each series, hashed at its first lookup
-    lookup: Future[int | None] | None = None  # a lookup Redis has not answered yet
+    lookup: Future[tuple[int, int] | None] | None = None  # a lookup Redis has not answered yet
     counted: bool = False  # its lookup is in the counters (vLLM may ask again while the request waits)
+    parts: int = 0  # the KV head ranges its stored chunks were found in (another TP size's); 0: this engine's
 
 
 class KVRedisScheduler:
@@ -116,15 +120,18 @@ class KVRedisScheduler:
         self._adapters = AdapterDigests()
         self._warned: set[tuple[str, ...]] = set()
         parallel = vllm_config.parallel_config
-        # Every shard's key prefix (ranks holding the same KV share one), in each series: the scheduler
-        # releases an unused announced transfer's shards itself.
+        # Every shard's key prefix (one a range of KV heads), in each series: the scheduler releases an
+        # unused announced transfer's shards itself.
         tags = [series.tag for series in endpoint.series] or [""]
-        replicas = endpoint.replicas
-        self._shards = list(dict.fromkeys(
-            series_prefix(KeySpace(self.config.namespace,
-                                   cache_identity(vllm_config, tp, pp, replicas)).prefix, tag)
+        split = endpoint.split
+        self._shards = [
+            series_prefix(KeySpace(self.config.namespace, cache_identity(vllm_config, part, pp)).prefix, tag)
             for pp in range(int(parallel.pipeline_parallel_size))
-            for tp in range(int(parallel.tensor_parallel_size)) for tag in tags))
+            for part in range(split.parts) for tag in tags]
+        # Other tensor-parallel sizes whose chunks this engine reads (their head ranges nest with its own),
+        # tried when its own finds less than the whole prompt; a Mamba state's split must be this engine's.
+        self._other_splits = [] if any(s.kind == STATE for s in endpoint.series) else [
+            parts for parts in range(1, split.total + 1) if parts != split.parts and split.nests(parts)]
         self.discards = Discards(self.transfers, self.counts, self.config.pop_timeout_s)
         if self._loads:
             # The lookups' connection is opened now, not by the first request's lookup, which would then
@@ -153,12 +160,13 @@ class KVRedisScheduler:
                 if time.monotonic() < self._lookups_paused_until:
                     return 0, False
                 state.lookup = self._lookup_thread.submit(self._look_up, request.request_id, state, tokens)
-            stored = self._answer(state)
-            if stored is _NOT_YET:
+            answer = self._answer(state)
+            if answer is _NOT_YET:
                 return None, False  # vLLM skips the request this step and asks again at the next
-            if stored is None:
+            if answer is None:
                 return 0, False  # the lookup failed or was skipped: nothing is stored, as far as we know
-            assert isinstance(stored, int)
+            assert isinstance(answer, tuple)
+            stored, state.parts = answer
             # Found without an announcement: a prefix of the prompt, maybe all of it.
             found = min(loadable, stored)
             if not state.counted:
@@ -175,13 +183,14 @@ class KVRedisScheduler:
         state.external_stop = loadable
         return loadable - num_computed_tokens, True
 
-    def _look_up(self, req_id: str, state: _RequestState, tokens: list[int]) -> int | None:
-        """How many of the prompt's positions a reader can take from Redis (the lookup thread's task);
-        ``None`` if lookups are paused or this one failed (counted, warned about, and lookups paused)."""
+    def _look_up(self, req_id: str, state: _RequestState, tokens: list[int]) -> tuple[int, int] | None:
+        """How many of the prompt's positions a reader can take from Redis, and the split of KV heads they
+        were found in (the lookup thread's task); ``None`` if lookups are paused or this one failed
+        (counted, warned about, and lookups paused)."""
         if time.monotonic() < self._lookups_paused_until:
             return None  # queued behind the lookup that failed
         try:
-            stored = self._stored_positions(self._plans_of(state, tokens))
+            stored = self._found(self._plans_of(state, tokens))
         except Exception as exc:  # any failure means "nothing stored", never a dead engine
             self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
             self.endpoint.metrics.miss("error")
@@ -227,32 +236,56 @@ class KVRedisScheduler:
             state.plans = tuple(stored_plan(store, tokens, state.context) for store in self.endpoint.stores)
         return state.plans
 
-    def _stored_positions(self, plans: tuple[ChunkPlan, ...]) -> int:
-        """The longest prefix of the prompt a reader can resume after from what Redis holds: the full
-        attention chunks from the first without a gap, and, for a hybrid model, every block each window
-        attends to from there (tried at the chunks' end and the two chunk boundaries before it)."""
+    def _found(self, plans: tuple[ChunkPlan, ...]) -> tuple[int, int]:
+        """The longest prefix of the prompt stored in this engine's split of KV heads, or, where that is not
+        all of it, in another tensor-parallel size's: its length, and the number of head ranges it is in."""
+        own = self.endpoint.split.parts
+        best = self._stored_positions(plans, self._sources_of(own)), own
+        whole = plans[0].num_tokens // self._step * self._step
+        for parts in self._other_splits:
+            if best[0] >= whole:
+                break
+            found = self._stored_positions(plans, self._sources_of(parts))
+            if found > best[0]:
+                best = found, parts
+        return best
+
+    def _sources_of(self, parts: int) -> list[tuple[Transfers, ...]]:
+        """For each series, the stores a reader with rank 0's heads reads from chunks written in ``parts``
+        head ranges (several where the writer's are narrower)."""
+        split = self.endpoint.split
+        per_source = [self.endpoint.stores_of(parts, source.part) for source in sources(split, 0, parts)]
+        return [tuple(stores[number] for stores in per_source) for number in range(len(per_source[0]))]
+
+    def _stored_positions(self, plans: tuple[ChunkPlan, ...], stores: list[tuple[Transfers, ...]]) -> int:
+        """The longest prefix of the prompt a reader can resume after from what Redis holds in ``stores``
+        (each series' sources): the full attention chunks from the first without a gap, in every source,
+        and, for a hybrid model, every block each window attends to from there (tried at the chunks' end and
+        the two chunk boundaries before it)."""
         series = self.endpoint.series
-        stores = self.endpoint.stores
         top = plans[0].num_tokens
         if not series or series[0].whole:
-            chunks = stores[0].chunks.stored_prefix(plans[0].digests, lookup=True)
-            top = min(top, chunks * stores[0].chunk_tokens)
+            chunks = min(store.chunks.stored_prefix(plans[0].digests, lookup=True) for store in stores[0])
+            top = min(top, chunks * stores[0][0].chunk_tokens)
             if len(plans) == 1:
                 return top
         top = top // self._step * self._step
         step = self.transfers.chunk_tokens
         candidates = [top, *range((top - 1) // step * step, 0, -step)][:3]
-        windows = [(s, store, plan) for s, store, plan in zip(series, stores, plans, strict=True)
+        windows = [(s, sources, plan) for s, sources, plan in zip(series, stores, plans, strict=True)
                    if not s.whole]
         wanted: list[list[set[int]]] = []  # for each window series, for each candidate: its blocks
-        for window, store, _ in windows:
-            size = store.chunk_tokens
+        for window, in_sources, _ in windows:
+            size = in_sources[0].chunk_tokens
             wanted.append([set(range(window.needed(at) // size, -(-at // size))) for at in candidates])
         present: list[set[int]] = []
-        for (_, store, plan), per_candidate in zip(windows, wanted, strict=True):
+        for (_, in_sources, plan), per_candidate in zip(windows, wanted, strict=True):
             indexes = sorted(set().union(*per_candidate))
-            there = store.chunks.present([plan.digests[i] for i in indexes], lookup=True)
-            present.append({index for index, found in zip(indexes, there, strict=True) if found})
+            found_in_all = set(indexes)
+            for store in in_sources:
+                there = store.chunks.present([plan.digests[i] for i in indexes], lookup=True)
+                found_in_all &= {index for index, found in zip(indexes, there, strict=True) if found}
+            present.append(found_in_all)
         for position, at in enumerate(candidates):
             if all(blocks[position] <= found for blocks, found in zip(wanted, present, strict=True)):
                 return at
@@ -311,6 +344,7 @@ class KVRedisScheduler:
                             req_id)
             return _Announcement(announced.entry_id, ["tokens"], [])
         differences = announced.differences(self.engine_description())
+        parts = self._announced_parts(announced, differences)
         if differences:
             self.counts.add(skipped_requests=1)
             self._warn_once(("engine", *differences),
@@ -318,7 +352,20 @@ class KVRedisScheduler:
                             "such requests are computed here, without waiting for Redis", req_id,
                             "; ".join(differences))
         return _Announcement(announced.entry_id, differences, list(announced.shards or self._shards),
-                             announced.transfer_ids())
+                             announced.transfer_ids(), parts)
+
+    def _announced_parts(self, announced: Announcement, differences: list[str]) -> int:
+        """The number of KV head ranges the producer wrote (its tensor-parallel split); a split this engine
+        cannot read is added to ``differences``."""
+        own = self.endpoint.split.parts
+        parts = own if announced.engine is None else announced.engine.get("kv_parts", own)
+        if type(parts) is not int or not self.endpoint.split.nests(parts):
+            differences.append(f"KV heads in {parts!r} tensor-parallel parts on prefill, {own} here (kvredis "
+                               "moves KV between tensor-parallel sizes where one divides the other)")
+        elif parts != own and any(series.kind == STATE for series in self.endpoint.series):
+            differences.append(f"KV heads in {parts} tensor-parallel parts on prefill, {own} here (a Mamba "
+                               "or linear-attention state moves only between equal tensor-parallel sizes)")
+        return parts if type(parts) is int else own
 
     def engine_description(self) -> dict[str, Any]:
         """This engine's side of an announcement (rank 0's identity, less the rank)."""
@@ -345,10 +392,12 @@ class KVRedisScheduler:
         stop = (state.external_stop if state is not None and state.external_stop
                 else resume_end(len(tokens), self._step))
         announcement = state.announcement if state is not None else None
+        parts = announcement.parts if announcement is not None else state.parts if state is not None else 0
         self._pending_loads[req_id] = TransferSpec(
             req_id, tokens, [list(ids) for ids in blocks.get_block_ids()], stop - num_external_tokens, stop,
             context=state.context if state is not None else "",
             entry_id=announcement.entry_id if announcement is not None else None,
+            parts=parts,
         )
         if state is not None:
             state.announcement = None  # taken by the load from now on
@@ -470,7 +519,7 @@ class KVRedisScheduler:
                 tokens = token_list(request.prompt_token_ids)
                 params = Announcement(
                     entry_id, prompt_digest(tokens, None, context), context, self.engine_description(),
-                    tuple(self._shards), len(tokens), self.endpoint.replicas).to_params()
+                    tuple(self._shards), len(tokens)).to_params()
         return req_id in self._loading, params
 
     def may_load_async(self, request: Any) -> bool:

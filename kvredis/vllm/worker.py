@@ -31,10 +31,11 @@ from kvredis.chunk_store import PageFormat
 from kvredis.errors import KVRedisError
 from kvredis.keys import reader_id
 from kvredis.paged import PagedLayout, block_span
-from kvredis.transfer import Saved, Transfers
+from kvredis.transfer import Saved, Taken, Transfers
 from kvredis.vllm.cache_groups import FULL, STATE, Series, resume_step
 from kvredis.vllm.discards import Discards
 from kvredis.vllm.endpoint import Endpoint
+from kvredis.vllm.heads import Source, sources
 from kvredis.vllm.metadata import (
     KVRedisConnectorMetadata,
     TransferSpec,
@@ -170,7 +171,7 @@ class KVRedisWorker:
         # its KV writes, on the engine's thread with the forward's stream current; eagerly or between the
         # pieces of a piecewise CUDA graph, never inside a full graph's replay (wait_for_save covers those
         # layers), nor while graphs are captured (no metadata is bound then).
-        if not meta.saves or self.endpoint.reader:  # a rank whose KV another rank writes
+        if not meta.saves or not self.endpoint.writes:  # a rank whose KV heads another rank writes
             return
         index = self._layer_index.get(layer_name)
         if index is None:  # not a layer registered with a paged cache
@@ -257,7 +258,7 @@ class KVRedisWorker:
     def wait_for_save(self, meta: KVRedisConnectorMetadata) -> None:
         """Hand each saved prompt to a writer thread; the step does not wait for Redis."""
         captured: list[tuple[TransferSpec, list[torch.Tensor]]] = []
-        if self.endpoint.reader:  # the first of the ranks sharing this KV writes it, for all of them
+        if not self.endpoint.writes:  # the first of the ranks holding these KV heads writes them, for all
             return
         for spec in meta.saves:
             captures = [self._gathered.pop((spec.req_id, number), None)
@@ -322,21 +323,16 @@ class KVRedisWorker:
                     copied.wait()  # the step's copies into the pages ran (this thread waits, not the engine)
                 saved = Saved()
                 end = resume_end(len(spec.token_ids), self._step)
-                # Each rank reading this shard takes a transfer of its own (the chunks are written once).
-                readers = range(self.endpoint.replicas if spec.entry_id is not None else 1)
-                for reader in readers:
-                    transfer_id = None if spec.entry_id is None else reader_id(spec.entry_id, reader)
-                    for number, (store, pages) in enumerate(zip(self.endpoint.stores, captured, strict=True)):
-                        blocks = self._stored_range(spec, number)
-                        if not blocks:
-                            continue
-                        plan = series_plan(self._series[number], store, spec.token_ids, spec.context, blocks,
-                                           end)
-                        part = store.save(plan, pages, transfer_id=transfer_id,
-                                          pages_per_block=pages.shape[1] // len(blocks))
-                        saved.written += part.written
-                        saved.present += part.present
-                        saved.nbytes += part.nbytes
+                for number, (store, pages) in enumerate(zip(self.endpoint.stores, captured, strict=True)):
+                    blocks = self._stored_range(spec, number)
+                    if not blocks:
+                        continue
+                    plan = series_plan(self._series[number], store, spec.token_ids, spec.context, blocks, end)
+                    part = store.save(plan, pages, transfer_id=spec.entry_id,
+                                      pages_per_block=pages.shape[1] // len(blocks))
+                    saved.written += part.written
+                    saved.present += part.present
+                    saved.nbytes += part.nbytes
         except KVRedisError as exc:
             self.counts.add(save_failures=1)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
@@ -409,21 +405,31 @@ class KVRedisWorker:
             failed, self._failed_requests = self._failed_requests, set()
         return failed
 
-    def _taken_as(self, spec: TransferSpec) -> str | None:
-        """The transfer id this rank takes the request's announced transfer under (``None``: none)."""
-        return None if spec.entry_id is None else reader_id(spec.entry_id, self.endpoint.reader)
+    def _taken_as(self, spec: TransferSpec, source: Source) -> tuple[str | None, tuple[str, ...]]:
+        """The transfer id this rank takes the request's announced transfer under in ``source`` (``None``:
+        none), and those it hands the transfer on to (the first of the ranks reading the same KV heads does,
+        for the others)."""
+        if spec.entry_id is None:
+            return None, ()
+        hand_on = range(1, source.readers) if source.reader == 0 else range(0)
+        return (reader_id(spec.entry_id, source.reader),
+                tuple(reader_id(spec.entry_id, reader) for reader in hand_on))
 
-    def _page_format(self, number: int = 0) -> PageFormat:
-        """The pages series ``number``'s layers hold: what its chunks must carry to be written into them."""
+    def _page_format(self, number: int = 0, heads: int | None = None) -> PageFormat:
+        """The pages series ``number``'s layers hold, with ``heads`` KV heads (default: this rank's): what
+        its chunks must carry to be written into them."""
         names = self._series[number].layers
         layout = self._layouts[names[0]]
-        per_block = 1 if self._series[number].kind == STATE else self._block_size // layout.kernel_block_size
-        return PageFormat(self._layers[names[0]].dtype, len(names), layout.page_shape, per_block)
+        state = self._series[number].kind == STATE
+        per_block = 1 if state else self._block_size // layout.kernel_block_size
+        page_shape = layout.page_shape if state or heads is None else (heads, *layout.page_shape[1:])
+        return PageFormat(self._layers[names[0]].dtype, len(names), page_shape, per_block)
 
     def _load_into_blocks(self, spec: TransferSpec,
                           after: staging.Event | None = None) -> tuple[str | None, int]:
         """Read the chunks covering the request's external positions, in every series (a window's from the
-        first position it attends to), and write their pages into its blocks; returns why not all of them
+        first position it attends to) and from every writer's part of KV heads this rank holds heads of
+        (:mod:`kvredis.vllm.heads`), and write their pages into its blocks; returns why not all of them
         (``None``: all), and the position up to which the blocks hold loaded KV (on a GPU, once the copies
         ran: the request is reported finished only then)."""
         if not self._layers:
@@ -431,24 +437,39 @@ class KVRedisWorker:
         started = time.perf_counter()
         causes: list[str] = []
         loaded_to, nbytes, late = spec.stop, 0, False
-        for number, (series, store) in enumerate(zip(self._series, self.endpoint.stores, strict=True)):
-            if late:  # its record would not come either: released if it ever lands
-                transfer_id = self._taken_as(spec)
-                assert transfer_id is not None
-                self.discards.submit(spec.req_id, transfer_id, store.prefix)
-                continue
+        parts = spec.parts or self.endpoint.split.parts
+        head_sources = sources(self.endpoint.split, self.endpoint.rank, parts)
+        for number, series in enumerate(self._series):
             first = spec.start if series.whole else max(spec.start, series.needed(spec.stop))
             blocks = range(first // self._block_size, -(-spec.stop // self._block_size))
-            plan = series_plan(series, store, spec.token_ids, spec.context, blocks, spec.stop)
-            taken = store.take(plan, first, spec.stop, self._page_format(number),
-                               transfer_id=self._taken_as(spec))
+            takes: list[tuple[Transfers, Source, Taken]] = []
+            for source in head_sources:
+                store = self.endpoint.stores_of(parts, source.part)[number]
+                transfer_id, hand_on = self._taken_as(spec, source)
+                if late:  # its record would not come either: released if it ever lands
+                    assert transfer_id is not None
+                    self.discards.submit(spec.req_id, transfer_id, store.prefix)
+                    continue
+                plan = series_plan(series, store, spec.token_ids, spec.context, blocks, spec.stop)
+                # Without a transfer, chunks other ranks read too are left to them (and their TTL).
+                taken = store.take(plan, first, spec.stop, self._page_format(number, source.width),
+                                   transfer_id=transfer_id, hand_on=hand_on, keep=source.readers > 1)
+                takes.append((store, source, taken))
+                nbytes += taken.nbytes
+            if late:
+                continue
+            # Every head of a chunk or none: the chunks every source holds, assembled into this rank's heads.
+            count = min(len(taken.chunks) for _, _, taken in takes)
+            taken = Taken(takes[0][2].first, [_heads_of(head_sources, [t.chunks[i] for _, _, t in takes])
+                                               for i in range(count)])
             loaded = min(spec.stop, taken.stop(plan)) if taken.chunks else first
             if taken.chunks:
                 self._write_chunks(spec, number, plan, taken.first, taken.chunks, first, loaded, after)
-                nbytes += taken.nbytes
-            if taken.cause != "hit":
-                late = taken.cause == "late"
-                causes.append(self._missed(spec, store, taken.cause, loaded))
+            missed = [(store, source, t.cause) for store, source, t in takes if t.cause != "hit"]
+            for store, source, cause in missed:
+                late = late or cause == "late"
+                causes.append(self._missed(spec, store, cause, loaded, self._taken_as(spec, source)[0]))
+            if missed:
                 # A window's blocks are needed together: without all of them, none counts.
                 loaded_to = min(loaded_to, loaded if series.whole else spec.start)
         if nbytes:
@@ -456,13 +477,13 @@ class KVRedisWorker:
             self.counts.add(loaded_bytes=nbytes)
         return ("; ".join(causes), loaded_to) if causes else (None, spec.stop)
 
-    def _missed(self, spec: TransferSpec, store: Transfers, cause: str, loaded: int) -> str:
-        """Count a take that did not get everything, and say why."""
+    def _missed(self, spec: TransferSpec, store: Transfers, cause: str, loaded: int,
+                transfer_id: str | None) -> str:
+        """Count a take (of transfer ``transfer_id``) that did not get everything, and say why."""
         miss = "absent" if cause == "late" else cause  # a record not there in time: absent
         known = ("absent", "corrupt", "foreign", "partial")
         self.endpoint.metrics.miss(miss if miss in known else "mismatch")
         if cause == "late":
-            transfer_id = self._taken_as(spec)
             assert transfer_id is not None
             # Announced but not written in time (a stalled prefill): released if it lands within a pop bound.
             self.discards.submit(spec.req_id, transfer_id, store.prefix)
@@ -548,3 +569,12 @@ class KVRedisWorker:
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._save_pool.shutdown(wait=False, cancel_futures=True)
         self.discards.shutdown()
+
+
+def _heads_of(head_sources: list[Source], chunks: list[torch.Tensor]) -> torch.Tensor:
+    """A chunk's pages (``[layers, pages, heads, ...]``) with this rank's KV heads, from the same chunk of
+    each source: a slice of one writer's heads, or several writers' side by side."""
+    if len(chunks) == 1:
+        source = head_sources[0]
+        return chunks[0] if source.whole else chunks[0].narrow(2, source.first, source.count)
+    return torch.cat(chunks, dim=2)

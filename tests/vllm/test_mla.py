@@ -1,10 +1,10 @@
 """MLA (a tiny DeepSeek-V2 written here) with tensor parallelism in real engines: a prefill and a decode, each
 over two worker processes (``--tensor-parallel-size 2``, CPU build), sharing one real Redis.
 
-Every rank of an MLA engine holds the same latent KV, so it is stored once: the first rank writes one copy
-under a key space shared by the ranks, and each rank of the decode takes it under a transfer id of its own
-(two records, one copy of the chunks). Answers are checked against the decode engine computing the same
-prompt itself (a fresh ``cache_salt`` keeps Redis out); no key is left.
+Every rank of an MLA engine holds the same latent KV (its one "head"), so it is stored once: the first rank
+writes one copy under a key space shared by the ranks, one record; the decode's first rank takes it and
+hands the transfer on to the second (a hold and a record of its own). Answers are checked against the
+decode engine computing the same prompt itself (a fresh ``cache_salt`` keeps Redis out); no key is left.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from engine_servers import (
 
 from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
-from kvredis.keys import reader_id
 from kvredis.tinymodel import write_tiny_deepseek_mla
+from kvredis.transfer import parse_record
 
 TP = 2
 START_TIMEOUT_S = 400.0
@@ -70,21 +70,21 @@ def test_the_latent_kv_is_stored_once_and_every_rank_loads_it(mla: Disaggregated
         assert cached_tokens(alone) == 0, alone
         params = mla.prefill_params(prompt)
         entry = params[TRANSFER_PARAM]["entry"]
-        assert params[TRANSFER_PARAM].get("readers") == TP, params
-        queues = mla.transfer_records(TP)
-        # One key space for both ranks, a record for each reader under its own transfer id.
-        assert len({queue.rsplit(":t:", 1)[0] for queue in queues}) == 1, queues
-        assert {queue.rsplit(":t:", 1)[1] for queue in queues} == {
-            "{" + reader_id(entry, reader) + "}" for reader in range(TP)}
+        assert params[TRANSFER_PARAM]["engine"]["kv_parts"] == 1, params
+        # One key space for both ranks, one record under the announced id.
+        (queue,) = mla.transfer_records(1)
+        assert queue.rsplit(":t:", 1)[1] == "{" + entry + "}", queue
         client = mla.redis.client()
         try:
+            record = parse_record(client.lindex(queue, 0), entry, queue.rsplit(":t:", 1)[0])
             chunks = [key for key in client.scan_iter(match=f"{mla.namespace}:*:c:*")
                       if not key.endswith(b":h")]
-            blobs = [client.get(key) for key in chunks]
+            blobs = ([bytes(record.inline)] if record.inline is not None
+                     else [client.get(key) for key in chunks])
         finally:
             client.close()
-        # One copy: the chunks of the prompt once (no small transfer rides in its readers' records, which
-        # would be a copy each), each holding every layer's latent pages.
+        # One copy: the chunks of the prompt once (a small transfer's one chunk in its record), each holding
+        # every layer's latent pages.
         for blob in blobs:
             pages = codec.decode(blob, max_payload_bytes=1 << 30)[0][1]
             assert pages.shape[0] == LAYERS and pages.shape[-1] == LATENT, pages.shape

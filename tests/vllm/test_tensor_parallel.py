@@ -2,9 +2,11 @@
 processes (``--tensor-parallel-size 2``, CPU build, tiny model), sharing one real Redis.
 
 Each rank holds half of every layer's KV heads, so each stores its own shard under its own key (the cache
-identity holds the rank) from its own process, and the same rank of the decode engine takes it: the two
-shards move in parallel, and neither rank ever sees the other's. Answers are checked against the decode
-engine computing the same prompt itself (a fresh ``cache_salt`` keeps its prefix cache out).
+identity names the heads) from its own process, and the rank of the decode engine holding the same heads
+takes it: the two shards move in parallel, and neither rank ever sees the other's. A third engine, one
+process (TP 1), reads both shards and writes one the TP 2 decode's ranks split between them, each behind
+``kvredis proxy``. Answers are checked against the decode engine computing the same prompt itself (a fresh
+``cache_salt`` keeps its prefix cache out).
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 from conftest import BLOCK_SIZE
 from engine_servers import (
     Disaggregated,
+    Server,
     cached_tokens,
+    completion_tokens,
     kv_transfer_config,
     loaded_tokens,
+    openai_client,
     prompt_of,
+    start_proxy,
     start_redis,
     start_server,
     tokens_of,
@@ -61,6 +67,9 @@ class Sharded(Disaggregated):
             client.close()
         return torch.cat([codec.decode(blob, max_payload_bytes=1 << 30)[0][1] for blob in blobs], dim=1)
 
+    single: Server | None = None  # TP 1, kv_both: the TP 2 prefill's decode, the TP 2 decode's prefill
+    folder: Path | None = None
+
     def computed_alone(self, prompt: list[int]) -> dict[str, Any]:
         """The decode engine's own answer, computed without Redis or its prefix cache."""
         answer = self.decode.complete(prompt, cache_salt=uuid.uuid4().hex)
@@ -79,10 +88,11 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sharded]:
         return kv_transfer_config(role, server.url, namespace)
 
     servers = [start_server("prefill-tp2", model, folder, kv_config("kv_producer"), tensor_parallel=TP),
-               start_server("decode-tp2", model, folder, kv_config("kv_consumer"), tensor_parallel=TP)]
+               start_server("decode-tp2", model, folder, kv_config("kv_consumer"), tensor_parallel=TP),
+               start_server("both-tp1", model, folder, kv_config("kv_both"))]
     try:
         wait_ready(servers, START_TIMEOUT_S)
-        yield Sharded(*servers, redis=server, namespace=namespace)
+        yield Sharded(*servers[:2], redis=server, namespace=namespace, single=servers[2], folder=folder)
     finally:
         for engine in servers:
             engine.stop()
@@ -157,3 +167,33 @@ def test_a_lost_shard_makes_the_decode_recompute_the_prompt(sharded: Sharded) ->
     assert delta.pop("loaded_bytes") > 0  # the other rank's
     assert delta == expected
     assert sharded.stored_keys() == []
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(400)
+def test_engines_of_tp_2_and_tp_1_move_kv_both_ways_behind_the_proxy(sharded: Sharded) -> None:
+    """TP 2 prefill -> TP 1 decode (one rank gathers both shards) and TP 1 prefill -> TP 2 decode (each rank
+    reads its half of one shard, the first handing the transfer on to the second), behind ``kvredis proxy``,
+    called with the ``openai`` client: the answers are the decode's own, every decode rank loaded the prompt,
+    and no key is left."""
+    assert sharded.single is not None and sharded.folder is not None
+    prompts = [prompt_of(length, seed=5000 + length) for length in (40, 300)]
+    pairs = ((sharded.prefill, sharded.single, 1, "tp2-to-tp1"),
+             (sharded.single, sharded.decode, TP, "tp1-to-tp2"))
+    for prefill, decode, ranks, name in pairs:
+        proxy = start_proxy(sharded.folder, name, prefill.url, decode.url, sharded.redis.url)
+        try:
+            client = openai_client(proxy.url)
+            for index, prompt in enumerate(prompts):
+                alone = decode.complete(prompt, cache_salt=uuid.uuid4().hex)
+                assert cached_tokens(alone) == 0, alone
+                seen = decode.counters()
+                got = completion_tokens(client, decode.model, prompt, stream=index % 2 == 1)
+                assert got == tokens_of(alone), f"{name}, {len(prompt)} tokens"
+                # Every rank of the decode loaded the prompt (vLLM adds up the workers' counts).
+                delta = wait_counters(decode, seen, {"loaded_tokens": ranks * (len(prompt) - 1)})
+                assert delta.get("loaded_tokens") == ranks * (len(prompt) - 1), (name, delta)
+                assert "load_failures" not in delta, (name, delta)
+            sharded.assert_no_keys()
+        finally:
+            proxy.stop()
