@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ START_TIMEOUT_S = 300.0
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny model's (kvredis.tinymodel defaults)
 
 
+@dataclass
 class Sharded(Disaggregated):
     """The two engines, each over TP worker processes."""
 
