@@ -313,6 +313,13 @@ def test_a_decode_of_another_tp_size_loads_every_head_at_its_slot(make_engine, f
     consumer.assert_loaded("c", prompt, 149)
     assert consumer.invalid_blocks == []
     assert consumer.stats["loaded_requests"] == decode_tp and consumer.stats["load_failures"] == 0
+    # What a decode rank reads: the whole of every prefill part it holds heads of (a chunk stores a part's
+    # pages [layers, pages, heads, ...], where a slice of the heads is not one byte range), plus headers.
+    parts, reader_parts = min(prefill_tp, heads), min(decode_tp, heads)
+    part_bytes = len(LAYERS) * 5 * (heads // parts) * BLOCK_SIZE * WIDTH * 4  # 5 pages: 149 positions
+    per_rank = part_bytes * max(1, parts // reader_parts)
+    assert per_rank * decode_tp <= consumer.stats["loaded_bytes"] <= per_rank * decode_tp * 1.02, \
+        consumer.stats["loaded_bytes"]
     consumer.finish("c")
     consumer.assert_idle()
     producer.assert_idle()
