@@ -82,3 +82,12 @@ def lookups_ready(connector: Any) -> None:
     scheduler = connector.scheduler
     if scheduler is not None:
         scheduler._lookup_thread.submit(lambda: None).result(timeout=STEP_TIMEOUT_S)
+
+
+def delete_namespace(url: str, namespace: str) -> None:
+    """Delete what a test left in its namespace (a failed test's keys, the schedulers' tally)."""
+    client = redis.Redis.from_url(url)
+    try:
+        client.delete(*redis_keys(url, namespace), tally_key(namespace).encode())
+    finally:
+        client.close()

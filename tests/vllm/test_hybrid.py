@@ -27,7 +27,15 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 import redis
 import torch
 from conftest import BLOCK_SIZE
-from scheduler_steps import STEP_TIMEOUT_S, finish_step, lookups_ready, new_request, redis_keys, wait_saved
+from scheduler_steps import (
+    STEP_TIMEOUT_S,
+    delete_namespace,
+    finish_step,
+    lookups_ready,
+    new_request,
+    redis_keys,
+    wait_saved,
+)
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
@@ -44,7 +52,6 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvredis.tally import tally_key
 from kvredis.vllm import KVRedisConnector
 
 HEADS, WIDTH = 2, 128
@@ -282,10 +289,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
     for engine in engines:
         engine.worker.shutdown()
         engine.connector.shutdown()
-    leftover = [*redis_keys(real_redis_url, namespace), tally_key(namespace).encode()]
-    client = redis.Redis.from_url(real_redis_url)
-    client.delete(*leftover)
-    client.close()
+    delete_namespace(real_redis_url, namespace)
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["sliding-window", "chunked-local"])

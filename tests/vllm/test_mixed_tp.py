@@ -25,7 +25,14 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 
 import redis
 from conftest import BLOCK_SIZE
-from scheduler_steps import STEP_TIMEOUT_S, finish_step, lookups_ready, new_request, redis_keys
+from scheduler_steps import (
+    STEP_TIMEOUT_S,
+    delete_namespace,
+    finish_step,
+    lookups_ready,
+    new_request,
+    redis_keys,
+)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -45,7 +52,6 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.errors import ConfigError
-from kvredis.tally import tally_key
 from kvredis.tinymodel import write_tiny_llama
 from kvredis.transfer import record_digests
 from kvredis.vllm import KVRedisConnector
@@ -277,10 +283,7 @@ def make_engine(real_redis_url: str,
         for worker in engine.workers:
             worker.shutdown()
         engine.connector.shutdown()
-    leftover = [*redis_keys(real_redis_url, namespace), tally_key(namespace).encode()]
-    client = redis.Redis.from_url(real_redis_url)
-    client.delete(*leftover)
-    client.close()
+    delete_namespace(real_redis_url, namespace)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:

@@ -32,7 +32,15 @@ import redis
 import torch
 from conftest import BLOCK_SIZE
 from redis_servers import RedisServer
-from scheduler_steps import STEP_TIMEOUT_S, finish_step, lookups_ready, new_request, redis_keys, wait_saved
+from scheduler_steps import (
+    STEP_TIMEOUT_S,
+    delete_namespace,
+    finish_step,
+    lookups_ready,
+    new_request,
+    redis_keys,
+    wait_saved,
+)
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -54,7 +62,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
 from kvredis.keys import new_entry_id
-from kvredis.tally import read_tally, tally_key
+from kvredis.tally import read_tally
 from kvredis.transfer import record_digests
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import worker as worker_module
@@ -300,11 +308,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
     for engine in engines:
         engine.worker.shutdown()
         engine.connector.shutdown()
-    leftover = [*redis_keys(real_redis_url, namespace), tally_key(namespace).encode()]
-    if leftover:
-        client = redis.Redis.from_url(real_redis_url)
-        client.delete(*leftover)
-        client.close()
+    delete_namespace(real_redis_url, namespace)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
