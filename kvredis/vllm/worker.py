@@ -442,6 +442,9 @@ class KVRedisWorker:
         for number, series in enumerate(self._series):
             first = spec.start if series.whole else max(spec.start, series.needed(spec.stop))
             blocks = range(first // self._block_size, -(-spec.stop // self._block_size))
+            # The same chunks in every part's key space (a part's chunks differ in their heads alone).
+            plan = series_plan(series, self.endpoint.stores[number], spec.token_ids, spec.context, blocks,
+                               spec.stop)
             takes: list[tuple[Transfers, Source, Taken]] = []
             for source in head_sources:
                 store = self.endpoint.stores_of(parts, source.part)[number]
@@ -450,7 +453,6 @@ class KVRedisWorker:
                     assert transfer_id is not None
                     self.discards.submit(spec.req_id, transfer_id, store.prefix)
                     continue
-                plan = series_plan(series, store, spec.token_ids, spec.context, blocks, spec.stop)
                 # Without a transfer, chunks other ranks read too are left to them (and their TTL).
                 taken = store.take(plan, first, spec.stop, self._page_format(number, source.width),
                                    transfer_id=transfer_id, hand_on=hand_on, keep=source.readers > 1)
@@ -460,11 +462,12 @@ class KVRedisWorker:
                 continue
             # Every head of a chunk or none: the chunks every source holds, assembled into this rank's heads.
             count = min(len(taken.chunks) for _, _, taken in takes)
-            taken = Taken(takes[0][2].first, [_heads_of(head_sources, [t.chunks[i] for _, _, t in takes])
-                                               for i in range(count)])
-            loaded = min(spec.stop, taken.stop(plan)) if taken.chunks else first
-            if taken.chunks:
-                self._write_chunks(spec, number, plan, taken.first, taken.chunks, first, loaded, after)
+            assembled = Taken(takes[0][2].first, [_heads_of(head_sources, [t.chunks[i] for _, _, t in takes])
+                                                  for i in range(count)])
+            loaded = min(spec.stop, assembled.stop(plan)) if assembled.chunks else first
+            if assembled.chunks:
+                self._write_chunks(spec, number, plan, assembled.first, assembled.chunks, first, loaded,
+                                   after)
             missed = [(store, source, t.cause) for store, source, t in takes if t.cause != "hit"]
             for store, source, cause in missed:
                 late = late or cause == "late"
