@@ -189,6 +189,16 @@ class ChunkStore:
                                                       for i, digest in enumerate(digests)])
             return [bool(int(reply)) for reply in replies]
 
+    def exists(self, keys: Sequence[str], *, lookup: bool = True) -> list[bool]:
+        """Whether each of ``keys`` (chunks of any key space) is in Redis, in one round trip; ``lookup``:
+        bounded by ``lookup_timeout_s``."""
+        if not keys:
+            return []
+        client = self.store.prober if lookup else self.store.redis
+        with self.store.guarded(f"looking up {len(keys)} chunks"):
+            replies = _no_errors(self._run(client, [("EXISTS", key) for key in keys]))
+        return [bool(int(reply)) for reply in replies]
+
     def stored_prefix(self, digests: Sequence[str], *, lookup: bool = True) -> int:
         """How many chunks from the first are in Redis without a gap (a prefix ends at its first hole)."""
         count = 0

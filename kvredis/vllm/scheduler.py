@@ -67,7 +67,7 @@ class _Announcement:
     entry_id: str | None  # None: an announcement without an id (the prompt's chunks are taken as found)
     differences: list[str]  # how the producer's engine differs from this one; empty: the chunks fit
     shards: list[str]  # the key prefixes of the producer's ranks, for releasing the transfer unread
-    transfer_ids: list[str] = field(default_factory=list)  # each reader's (a shard's ranks share its KV)
+    transfer_ids: list[str] = field(default_factory=list)  # the ids of the transfer's records in each shard
     parts: int = 0  # the KV head ranges the producer wrote (its tensor-parallel split); 0: this engine's
 
 
@@ -241,14 +241,29 @@ class KVRedisScheduler:
         all of it, in another tensor-parallel size's: its length, and the number of head ranges it is in."""
         own = self.endpoint.split.parts
         best = self._stored_positions(plans, self._sources_of(own)), own
-        whole = plans[0].num_tokens // self._step * self._step
-        for parts in self._other_splits:
-            if best[0] >= whole:
-                break
+        if best[0] >= plans[0].num_tokens // self._step * self._step:
+            return best
+        for parts in self._may_hold_more(plans[0], best[0]):
             found = self._stored_positions(plans, self._sources_of(parts))
             if found > best[0]:
                 best = found, parts
         return best
+
+    def _may_hold_more(self, plan: ChunkPlan, stored: int) -> list[int]:
+        """The other splits worth a lookup: to resume past ``stored``, a split must hold the full-attention
+        chunk covering that position (one round trip asks each split for it, so an engine whose peers all
+        share its TP size pays one round trip more on a partial hit, not one a split)."""
+        series = self.endpoint.series
+        if not self._other_splits or (series and not series[0].whole):
+            return self._other_splits
+        index = stored // self.transfers.chunk_tokens
+        if index >= plan.num_chunks:
+            return []
+        split = self.endpoint.split
+        keys = [self.endpoint.stores_of(parts, sources(split, 0, parts)[0].part)[0].chunks.keys.chunk(
+                plan.digests[index]) for parts in self._other_splits]
+        there = self.transfers.chunks.exists(keys)
+        return [parts for parts, found in zip(self._other_splits, there, strict=True) if found]
 
     def _sources_of(self, parts: int) -> list[tuple[Transfers, ...]]:
         """For each series, the stores a reader with rank 0's heads reads from chunks written in ``parts``

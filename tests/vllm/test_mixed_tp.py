@@ -57,6 +57,7 @@ from kvredis.transfer import record_digests
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import endpoint as endpoint_module
 from kvredis.vllm.heads import HeadSplit
+from kvredis.vllm.metadata import stored_plan
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 WIDTH = 128  # 2 * head_size
@@ -414,3 +415,28 @@ def test_heads_that_cannot_be_split_over_the_ranks_are_refused() -> None:
     with pytest.raises(ConfigError, match="cannot be split evenly"):
         HeadSplit(total=12, ranks=8)
     assert HeadSplit(12, 4).nests(2) and not HeadSplit(12, 4).nests(6)
+
+
+def test_a_lookup_reads_the_split_holding_the_longest_prefix(make_engine, four_heads: Path) -> None:
+    """Reuse: the reader's own split holds the prompt's first chunk (a TP 1 engine wrote a shorter prompt),
+    a TP 2 engine's parts hold three: the reader loads the three from the TP 2 parts. Another split is asked
+    for the one chunk that could make it longer before it is looked up whole: none holds it, none is."""
+    short = make_engine(four_heads, "kv_both", 1, reuse=True)
+    wide = make_engine(four_heads, "kv_both", 2, reuse=True)
+    reader = make_engine(four_heads, "kv_both", 1, reuse=True)
+    prompt = prompt_of(200, seed=41)
+    for writer, length in ((short, 70), (wide, 200)):
+        writer.add("w", prompt[:length], max_tokens=1)
+        writer.finish("w")
+        writer.wait_saved()
+    scheduler = reader.connector.scheduler
+    plan = stored_plan(scheduler.transfers, [*prompt, 5], "")
+    assert scheduler._stored_positions((plan,), scheduler._sources_of(1)) == 64  # its own split: one chunk
+    assert scheduler._may_hold_more(plan, 64) == [2]  # 4 parts hold nothing
+    assert scheduler._may_hold_more(plan, 192) == []  # nobody holds chunk 3 of this prompt
+    reader.add("r", [*prompt, 5, 6, 7])
+    reader.run(lambda: "r" in reader.new_reqs)
+    assert reader.new_reqs["r"].num_computed_tokens == 192
+    reader.assert_loaded("r", prompt, 192)
+    reader.finish("r")
+    reader.assert_idle()
