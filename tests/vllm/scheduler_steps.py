@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -91,3 +92,47 @@ def delete_namespace(url: str, namespace: str) -> None:
         client.delete(*redis_keys(url, namespace), tally_key(namespace).encode())
     finally:
         client.close()
+
+
+class Stepped:
+    """The stepping every scheduler-level harness shares, over its own ``step``, ``add`` and ``wait_saved``
+    and its ``finished`` outputs."""
+
+    finished: dict[str, Any]
+
+    def step(self) -> Any:
+        raise NotImplementedError
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, params: dict[str, Any] | None = None,
+            **fields: Any) -> Any:
+        raise NotImplementedError
+
+    def wait_saved(self) -> None:
+        raise NotImplementedError
+
+    def run(self, until: Callable[[], bool], timeout_s: float = STEP_TIMEOUT_S) -> int:
+        """Step until ``until()`` holds; returns the number of steps."""
+        deadline = time.monotonic() + timeout_s
+        steps = 0
+        while not until():
+            assert time.monotonic() < deadline, "the engine did not get there in time"
+            output = self.step()
+            steps += 1
+            if not output.total_num_scheduled_tokens:
+                time.sleep(0.002)  # idle step: a load is in flight on a worker thread
+        return steps
+
+    def finish(self, req_id: str) -> Any:
+        """Step until the request finished; its final output."""
+        self.run(lambda: req_id in self.finished)
+        return self.finished[req_id]
+
+    def produce(self, req_id: str, prompt: list[int], wait: bool = True, **fields: Any) -> dict[str, Any]:
+        """Prefill as the proxy asks (one token); the kv_transfer_params the answer carries, once the save
+        landed (``wait``)."""
+        self.add(req_id, prompt, max_tokens=1, params={"do_remote_decode": True, "do_remote_prefill": False},
+                 **fields)
+        params = self.finish(req_id).kv_transfer_params
+        if wait:
+            self.wait_saved()
+        return params

@@ -29,6 +29,7 @@ import torch
 from conftest import BLOCK_SIZE
 from scheduler_steps import (
     STEP_TIMEOUT_S,
+    Stepped,
     delete_namespace,
     finish_step,
     lookups_ready,
@@ -107,7 +108,7 @@ def state_spec(mamba_type: str = "MAMBA2", width: int = STATE_WIDTH) -> MambaSpe
 
 
 @dataclasses.dataclass
-class HybridEngine:
+class HybridEngine(Stepped):
     scheduler: Scheduler
     worker: KVRedisConnector
     layers: dict[str, torch.Tensor]
@@ -128,9 +129,9 @@ class HybridEngine:
         return connector
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2,
-            params: dict[str, Any] | None = None) -> None:
+            params: dict[str, Any] | None = None, **fields: Any) -> None:
         self.prompts[req_id] = list(prompt)
-        self.scheduler.add_request(new_request(req_id, prompt, max_tokens, params))
+        self.scheduler.add_request(new_request(req_id, prompt, max_tokens, params, **fields))
 
     def step(self) -> Any:
         output = self.scheduler.schedule()
@@ -185,23 +186,6 @@ class HybridEngine:
             if name != STATE:  # vLLM runs no per-layer hook for a Mamba layer
                 self.worker.save_kv_layer(name, layer, SimpleNamespace())
         return sampled
-
-    def run(self, until: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while not until():
-            assert time.monotonic() < deadline, "the engine did not get there in time"
-            if not self.step().total_num_scheduled_tokens:
-                time.sleep(0.002)
-
-    def finish(self, req_id: str) -> Any:
-        self.run(lambda: req_id in self.finished)
-        return self.finished[req_id]
-
-    def produce(self, req_id: str, prompt: list[int]) -> dict[str, Any]:
-        self.add(req_id, prompt, max_tokens=1, params={"do_remote_decode": True, "do_remote_prefill": False})
-        params = self.finish(req_id).kv_transfer_params
-        self.wait_saved()
-        return params
 
     def wait_saved(self) -> None:
         wait_saved(self.worker, self.stats)

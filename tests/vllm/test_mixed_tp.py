@@ -27,11 +27,13 @@ import redis
 from conftest import BLOCK_SIZE
 from scheduler_steps import (
     STEP_TIMEOUT_S,
+    Stepped,
     delete_namespace,
     finish_step,
     lookups_ready,
     new_request,
     redis_keys,
+    wait_saved,
 )
 from vllm.config import (
     CacheConfig,
@@ -78,7 +80,7 @@ def kv_values(tokens: torch.Tensor, positions: torch.Tensor, layer: int, heads: 
 
 
 @dataclasses.dataclass
-class ShardedEngine:
+class ShardedEngine(Stepped):
     """One scheduler and a worker-role connector per tensor-parallel rank."""
 
     scheduler: Scheduler
@@ -106,8 +108,8 @@ class ShardedEngine:
         return range(part * self.split.width, (part + 1) * self.split.width)
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2,
-            params: dict[str, Any] | None = None) -> None:
-        self.scheduler.add_request(new_request(req_id, prompt, max_tokens, params))
+            params: dict[str, Any] | None = None, **fields: Any) -> None:
+        self.scheduler.add_request(new_request(req_id, prompt, max_tokens, params, **fields))
 
     def step(self) -> Any:
         """One engine step on every rank; loads count as finished once every rank reported them."""
@@ -169,33 +171,9 @@ class ShardedEngine:
                 worker.save_kv_layer(name, layer, SimpleNamespace())
         return sampled
 
-    def run(self, until: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while not until():
-            assert time.monotonic() < deadline, "the engine did not get there in time"
-            if not self.step().total_num_scheduled_tokens:
-                time.sleep(0.002)
-
-    def finish(self, req_id: str) -> Any:
-        self.run(lambda: req_id in self.finished)
-        return self.finished[req_id]
-
-    def produce(self, req_id: str, prompt: list[int]) -> dict[str, Any]:
-        """Prefill as the proxy asks; the kv_transfer_params of the answer, once every rank's save landed."""
-        self.add(req_id, prompt, max_tokens=1, params={"do_remote_decode": True, "do_remote_prefill": False})
-        params = self.finish(req_id).kv_transfer_params
-        self.wait_saved()
-        return params
-
     def wait_saved(self) -> None:
-        deadline = time.monotonic() + STEP_TIMEOUT_S
         for worker in self.workers:
-            while worker.worker._saves_in_flight:
-                assert time.monotonic() < deadline, "a save did not finish"
-                time.sleep(0.002)
-            late = worker.get_kv_connector_stats()
-            if late is not None:
-                self.stats.update(late.reduce())
+            wait_saved(worker, self.stats)
 
     def assert_loaded(self, req_id: str, prompt: list[int], stop: int) -> None:
         """Every rank's blocks of the request hold, for positions ``0..stop-1``, exactly its heads' values."""

@@ -34,6 +34,7 @@ from conftest import BLOCK_SIZE
 from redis_servers import RedisServer
 from scheduler_steps import (
     STEP_TIMEOUT_S,
+    Stepped,
     delete_namespace,
     finish_step,
     lookups_ready,
@@ -89,7 +90,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @dataclasses.dataclass
-class Engine:
+class Engine(Stepped):
     """One scheduler and one worker-role connector, stepped like vLLM's engine core and model runner."""
 
     scheduler: Scheduler
@@ -187,32 +188,6 @@ class Engine:
             blocks = torch.tensor(self._blocks[spec.req_id][:-(-len(spec.token_ids) // BLOCK_SIZE)])
             self.snapshots[spec.req_id] = {name: layer[blocks].clone() for name, layer in self.layers.items()}
         return sampled
-
-    def run(self, until: Callable[[], bool], timeout_s: float = STEP_TIMEOUT_S) -> int:
-        """Step until ``until()`` holds; returns the number of steps."""
-        deadline = time.monotonic() + timeout_s
-        steps = 0
-        while not until():
-            assert time.monotonic() < deadline, "the engine did not get there in time"
-            output = self.step()
-            steps += 1
-            if not output.total_num_scheduled_tokens:
-                time.sleep(0.002)  # idle step: a load is in flight on a worker thread
-        return steps
-
-    def finish(self, req_id: str) -> Any:
-        """Step until the request finished; its final output."""
-        self.run(lambda: req_id in self.finished)
-        return self.finished[req_id]
-
-    def produce(self, req_id: str, prompt: list[int], wait: bool = True, **fields: Any) -> dict[str, Any]:
-        """Prefill as the proxy asks (one token); the kv_transfer_params the answer carries."""
-        self.add(req_id, prompt, max_tokens=1, params={"do_remote_decode": True, "do_remote_prefill": False},
-                 **fields)
-        params = self.finish(req_id).kv_transfer_params
-        if wait:
-            self.wait_saved()
-        return params
 
     def wait_saved(self) -> None:
         """Until the writer threads stored every entry handed to them (their counts join ``stats``)."""
