@@ -11,7 +11,7 @@ Everything here is read from a peer, so each field is checked before it names a 
 - ``context``: the request's context digest (LoRA adapter, multimodal inputs, ``cache_salt``), so a decode
   handed another request's announcement sees that it is not its own;
 - ``engine``: what decides whether the pages fit another engine (:data:`ENGINE_FIELDS`);
-- ``shards``: the key prefix of every rank that writes a shard (tensor and pipeline parallelism);
+- ``shards``: the key prefix of every shard: a range of KV heads of a pipeline stage (one rank writes each);
 - ``prompt_tokens``: the prompt's length, for logs.
 """
 
