@@ -38,7 +38,9 @@ def _full_consumer(make_engine: Any) -> Any:
         limits["max_num_inflight_kv_loads"] = 2
     consumer = make_engine("kv_consumer", scheduler_settings=limits)
     consumer.add("busy", prompt_of(40, seed=60), max_tokens=60)
-    consumer.step()
+    # Running once its lookup is answered: at the first step unless the host stalls past the step's
+    # few-millisecond wait for it.
+    consumer.run(lambda: "busy" in consumer.new_reqs)
     assert [request.request_id for request in consumer.scheduler.running] == ["busy"]
     return consumer
 
