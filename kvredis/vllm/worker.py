@@ -445,7 +445,7 @@ class KVRedisWorker:
             # The same chunks in every part's key space (a part's chunks differ in their heads alone).
             plan = series_plan(series, self.endpoint.stores[number], spec.token_ids, spec.context, blocks,
                                spec.stop)
-            takes: list[tuple[Transfers, Source, Taken]] = []
+            takes: list[tuple[Transfers, str | None, Taken]] = []
             for source in head_sources:
                 store = self.endpoint.stores_of(parts, source.part)[number]
                 transfer_id, hand_on = self._taken_as(spec, source)
@@ -456,7 +456,7 @@ class KVRedisWorker:
                 # Without a transfer, chunks other ranks read too are left to them (and their TTL).
                 taken = store.take(plan, first, spec.stop, self._page_format(number, source.width),
                                    transfer_id=transfer_id, hand_on=hand_on, keep=source.readers > 1)
-                takes.append((store, source, taken))
+                takes.append((store, transfer_id, taken))
                 nbytes += taken.nbytes
             if late:
                 continue
@@ -468,10 +468,10 @@ class KVRedisWorker:
             if assembled.chunks:
                 self._write_chunks(spec, number, plan, assembled.first, assembled.chunks, first, loaded,
                                    after)
-            missed = [(store, source, t.cause) for store, source, t in takes if t.cause != "hit"]
-            for store, source, cause in missed:
+            missed = [(store, transfer_id, t.cause) for store, transfer_id, t in takes if t.cause != "hit"]
+            for store, transfer_id, cause in missed:
                 late = late or cause == "late"
-                causes.append(self._missed(spec, store, cause, loaded, self._taken_as(spec, source)[0]))
+                causes.append(self._missed(spec, store, cause, loaded, transfer_id))
             if missed:
                 # A window's blocks are needed together: without all of them, none counts.
                 loaded_to = min(loaded_to, loaded if series.whole else spec.start)
