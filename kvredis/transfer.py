@@ -36,6 +36,7 @@ for the record. Every key has the TTL.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import struct
 from dataclasses import dataclass, field
@@ -116,6 +117,8 @@ class Record:
     digests: tuple[str, ...]
     inline: memoryview | None = None
     holds: bool = True  # False: written in reuse mode, it names chunks nobody holds
+    tokens: int = 0  # the prompt's length and chunk length it names (0: a record of an earlier kvredis)
+    chunk_tokens: int = 0
 
     @property
     def held(self) -> tuple[str, ...]:
@@ -330,17 +333,15 @@ class Transfers:
         the prompt, as this take does)."""
         try:
             parsed = parse_record(record, transfer_id, self.prefix)
-            head = _RECORD_HEAD.unpack_from(record)
-        except (CodecError, struct.error):
+        except CodecError:
             return
-        magic, tokens, chunk_tokens = head[:3]
-        if magic not in (RECORD_MAGIC, INLINE_MAGIC, SHARED_MAGIC):
+        if not parsed.chunk_tokens:
             return  # a record of an earlier kvredis
         for other in others:
             if parsed.held:
                 self.chunks.present(list(parsed.held), holder=other)
-            copy = encode_record(self.prefix, other, parsed.digests, tokens, chunk_tokens,
-                                 inline=magic == INLINE_MAGIC, holds=magic != SHARED_MAGIC)
+            copy = encode_record(self.prefix, other, parsed.digests, parsed.tokens, parsed.chunk_tokens,
+                                 inline=parsed.inline is not None, holds=parsed.holds)
             self.store.push_record(self.record_key(other),
                                    [copy, parsed.inline] if parsed.inline is not None else copy, self.ttl_ms)
 
@@ -456,7 +457,7 @@ def parse_record(record: bytes | bytearray, transfer_id: str, space: str) -> Rec
     magic = bytes(record[:len(RECORD_MAGIC)])
     if magic in (RECORD_MAGIC, INLINE_MAGIC, SHARED_MAGIC):
         parsed = _parse_raw_record(record, transfer_id, space, inline=magic == INLINE_MAGIC)
-        return Record(parsed.digests, parsed.inline, holds=magic != SHARED_MAGIC)
+        return dataclasses.replace(parsed, holds=magic != SHARED_MAGIC)
     # A record as kvredis wrote it before (a codec blob): a prefill not yet upgraded.
     tensors, meta = codec.decode(record, max_payload_bytes=_MAX_RECORD_BYTES)
     if (meta.get("kind") != RECORD_KIND or meta.get("space") != space or meta.get("id") != transfer_id
@@ -477,7 +478,7 @@ def _parse_raw_record(record: bytes | bytearray, transfer_id: str, space: str, *
     """:func:`parse_record` of a record in :data:`RECORD_MAGIC`'s or :data:`INLINE_MAGIC`'s layout."""
     if len(record) < _RECORD_HEAD.size + _RECORD_SUM.size:
         raise CodecError(f"a transfer record of {len(record)} bytes")
-    _, _, _, count, space_len, id_len = _RECORD_HEAD.unpack_from(record)
+    _, tokens, chunk_tokens, count, space_len, id_len = _RECORD_HEAD.unpack_from(record)
     names = _RECORD_HEAD.size + space_len + id_len
     size = names + 16 * count + _RECORD_SUM.size  # the record's own bytes, with its checksum
     if size > _MAX_RECORD_BYTES or len(record) < size or (not inline and len(record) != size):
@@ -491,8 +492,8 @@ def _parse_raw_record(record: bytes | bytearray, transfer_id: str, space: str, *
         raise CodecError(f"not a transfer record of {space} for {transfer_id}")
     digests = tuple(body[i:i + 16].hex() for i in range(names, len(body), 16))
     if not inline:
-        return Record(digests)
+        return Record(digests, tokens=tokens, chunk_tokens=chunk_tokens)
     start = _inline_offset(size)
     if count != 1 or len(record) <= start or any(view[size:start]):
         raise CodecError(f"a small transfer's record of {len(record)} bytes naming {count} chunks")
-    return Record(digests, view[start:])
+    return Record(digests, view[start:], tokens=tokens, chunk_tokens=chunk_tokens)
