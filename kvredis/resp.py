@@ -12,9 +12,11 @@ mid-reply.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
-from collections.abc import Callable, Iterable, Sequence
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvredis.errors import KVRedisError
@@ -140,6 +142,37 @@ class ProtocolError(KVRedisError):
     """The server sent something that is not the reply expected."""
 
 
+@contextlib.contextmanager
+def blocking(sock: socket.socket) -> Iterator[None]:
+    """The socket in blocking mode, its Python timeout kept by the kernel (``SO_RCVTIMEO``/``SO_SNDTIMEO``),
+    for a bulk transfer.
+
+    A socket with a Python timeout is non-blocking underneath: every ``recv`` returns what has arrived, and
+    the reading thread needs the GIL back after each one. In an engine whose threads spin on the GIL
+    (vLLM's worker busy loop), that wait is most of a load. Blocking, a ``MSG_WAITALL`` receive of a whole
+    piece is one system call that holds no GIL until the piece is in place. A timeout raises
+    :class:`TimeoutError`, as with the Python timeout. TLS sockets are left as they are."""
+    timeout = sock.gettimeout()
+    if isinstance(sock, ssl.SSLSocket) or timeout is None:
+        yield
+        return
+    seconds = max(timeout, 0.001)
+    bound = struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bound)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bound)
+    sock.settimeout(None)
+    try:
+        yield
+    except BlockingIOError as exc:  # the kernel's bound ran out (EAGAIN)
+        raise TimeoutError(f"no progress within {timeout:g} s") from exc
+    finally:
+        zero = struct.pack("ll", 0, 0)
+        with contextlib.suppress(OSError):  # a closed socket: it is disconnected anyway
+            sock.settimeout(timeout)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, zero)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, zero)
+
+
 class BulkReader:
     """Reads RESP replies from a socket, copying bulk payloads straight into destination buffers."""
 
@@ -148,6 +181,10 @@ class BulkReader:
         self._buffer = bytearray(buffer_bytes)
         self._start = 0
         self._end = 0
+        # Scatter receives (one system call fills many buffers) need a plain socket; TLS reads one at a time.
+        self._scatter = not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "recvmsg_into")
+        # A blocking socket (see :func:`blocking`) waits in the kernel for a whole buffer.
+        self._wait_all = socket.MSG_WAITALL if self._scatter and sock.gettimeout() is None else 0
 
     def _fill(self) -> None:
         if self._start == self._end:
@@ -176,17 +213,42 @@ class BulkReader:
             self._fill()
 
     def _read_exact(self, destination: memoryview) -> None:
-        position = 0
-        buffered = min(self._end - self._start, destination.nbytes)
-        if buffered:
-            destination[:buffered] = self._buffer[self._start:self._start + buffered]
+        self._read_parts([destination])
+
+    def _read_parts(self, parts: Sequence[memoryview]) -> None:
+        """Fill ``parts`` in order from the stream: what is buffered first, then straight from the socket
+        (scatter receives where the socket allows them)."""
+        views = [part for part in parts if part.nbytes]
+        first = 0
+        while first < len(views) and self._start < self._end:
+            view = views[first]
+            buffered = min(self._end - self._start, view.nbytes)
+            view[:buffered] = self._buffer[self._start:self._start + buffered]
             self._start += buffered
-            position = buffered
-        while position < destination.nbytes:
-            received = self._sock.recv_into(destination[position:])
+            if buffered == view.nbytes:
+                first += 1
+            else:
+                views[first] = view[buffered:]
+        sock = self._sock
+        if not self._scatter:
+            for view in views[first:]:
+                position = 0
+                while position < view.nbytes:
+                    received = sock.recv_into(view[position:])
+                    if received == 0:
+                        raise ConnectionError("Redis closed the connection in the middle of a reply")
+                    position += received
+            return
+        while first < len(views):
+            received = sock.recvmsg_into(views[first:first + _IOV_MAX], 0, self._wait_all)[0]
             if received == 0:
                 raise ConnectionError("Redis closed the connection in the middle of a reply")
-            position += received
+            # Skip what was filled whole; cut the first buffer that was filled in part.
+            while first < len(views) and received >= views[first].nbytes:
+                received -= views[first].nbytes
+                first += 1
+            if received:
+                views[first] = views[first][received:]
 
     def _skip(self, count: int) -> None:
         scratch = memoryview(bytearray(min(count, 1 << 20)))
@@ -212,8 +274,7 @@ class BulkReader:
                 if sum(part.nbytes for part in parts) != length:
                     raise ValueError(f"a placement of {sum(part.nbytes for part in parts)} bytes for a "
                                      f"{length}-byte reply")
-                for part in parts:
-                    self._read_exact(part)
+                self._read_parts(parts)
                 if self._line() != b"":
                     raise ProtocolError("bulk reply not terminated by CRLF")
                 return Placed(length)
@@ -335,7 +396,14 @@ def pipeline(sock: socket.socket, commands: Sequence[Sequence[Argument]], places
     """Send ``commands`` and read their replies (see :meth:`BulkReader.read_reply`; reply ``i`` is placed by
     ``places[i]``), keeping about ``window_bytes`` of replies requested ahead, by their expected sizes
     ``costs`` (at least one command is always in flight). Every command sent is read back, so the
-    connection stays in step."""
+    connection stays in step. The socket blocks meanwhile (:func:`blocking`): a reply is received in as few
+    system calls as the kernel can manage, none of them holding the GIL."""
+    with blocking(sock):
+        return _pipeline(sock, commands, places, costs, window_bytes)
+
+
+def _pipeline(sock: socket.socket, commands: Sequence[Sequence[Argument]], places: Sequence[Place | None],
+              costs: Sequence[int], window_bytes: int) -> list[Any]:
     reader = BulkReader(sock)
     replies: list[Any] = []
     total = len(commands)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import uuid
 
 import pytest
@@ -220,3 +221,40 @@ def test_a_pipeline_keeps_its_window_and_reads_every_reply_in_order(real_socket,
     assert [bytes(slot) for slot in out] == values
     client.delete(*[f"{prefix}:{i}" for i in range(12)])
     assert resp.call(sock, ("PING",)) == ["PONG"]
+
+
+def test_a_reply_spread_over_many_buffers_arrives_whole_in_blocking_mode() -> None:
+    """A placed reply lands in many small buffers (an engine's pages) in one blocking receive, the bytes
+    already buffered first, the socket's own timeout kept by the kernel and restored after."""
+    a, b = socket.socketpair()
+    a.settimeout(5.0)
+    payload = os.urandom(64 << 10)
+    sizes = [1, 7, 4096, 100, 0, 12345] + [1000] * 48
+    sizes.append(len(payload) - sum(sizes))
+    sender = threading.Thread(target=lambda: (b.sendall(b"$%d\r\n" % len(payload) + payload + b"\r\n:1\r\n")))
+    sender.start()
+    parts = [memoryview(bytearray(size)) for size in sizes]
+    with resp.blocking(a):
+        assert a.gettimeout() is None
+        reader = resp.BulkReader(a, 64)  # a few payload bytes come with the length line
+        placed = reader.read_reply(place=lambda n: parts)
+        assert reader.read_reply() == 1
+    sender.join(5)
+    assert isinstance(placed, resp.Placed) and b"".join(parts) == payload
+    assert a.gettimeout() == 5.0
+    a.close()
+    b.close()
+
+
+def test_a_stalled_reply_in_blocking_mode_times_out_at_the_sockets_bound() -> None:
+    a, b = socket.socketpair()
+    a.settimeout(0.3)
+    b.sendall(b"$10\r\nabc")  # then nothing: a server that stalls mid-reply
+    slot = bytearray(10)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        resp.pipeline(a, [("GET", "k")], [lambda n: [memoryview(slot)]], [10], 1 << 20)
+    assert 0.25 < time.monotonic() - started < 5
+    assert a.gettimeout() == 0.3  # restored for redis-py's own commands
+    a.close()
+    b.close()
