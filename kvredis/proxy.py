@@ -37,6 +37,8 @@ from kvredis.errors import ConfigError
 from kvredis.transfer import discard_transfer
 
 logger = logging.getLogger("kvredis.proxy")
+_UPSTREAM_KEEPALIVE_S = 2.0
+"""How long the proxy keeps an idle upstream connection: well under vLLM's own keep-alive (5 s)."""
 
 POLICIES: tuple[str, ...] = ("round_robin", "least_outstanding")
 
@@ -254,8 +256,12 @@ class _Proxy:
     async def client_session(self, app: web.Application) -> AsyncIterator[None]:
         """Cleanup context owning the upstream session, so it is closed with the application."""
         # limit=0: the connector's default cap of 100 connections would queue the 101st concurrent stream,
-        # and the queueing time would count against that request's upstream timeouts.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # and the queueing time would count against that request's upstream timeouts. An idle connection
+        # is dropped before vLLM's server drops it (uvicorn, VLLM_HTTP_TIMEOUT_KEEP_ALIVE: 5 s): aiohttp's
+        # default 15 s let a request go out on a connection the engine was closing at that moment, and fail
+        # with "Server disconnected" (seen in scripts/bench_hit.py, requests seconds apart).
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_UPSTREAM_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector)
         self._unused.open()
         try:
             yield
