@@ -21,11 +21,17 @@ Every call is one pipelined round trip per Redis node, bounded by the client's t
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
+import itertools
 import logging
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 import torch
@@ -97,15 +103,33 @@ class PageFormat:
         return (self.layers, pages, *self.page_shape)
 
 
+class PagesPlace(Protocol):
+    """Where the pages of a plan's chunks are to be received."""
+
+    in_place: bool
+    """The buffers are where the pages end up (an engine's KV blocks): a read returns no tensor of them.
+    Otherwise they are one buffer a read returns the pages in (a pinned buffer a device copies from)."""
+
+    def __call__(self, index: int) -> Sequence[memoryview] | None:
+        """Buffers whose bytes, in order, are chunk ``index``'s pages as stored (``[layers, pages, ...]``), or
+        ``None`` for a buffer of the read's own. Called when the chunk's reply arrives; may raise to abandon
+        the read."""
+
+
 @dataclass
 class ChunkRead:
-    """One chunk as read: its pages, or ``None`` and why (``absent``, ``corrupt``, ``foreign``,
-    ``mismatch``)."""
+    """One chunk as read: its pages (``None`` when they were received in place, see :data:`PagesPlace`), and
+    why not (``cause``: ``hit``, or ``absent``, ``corrupt``, ``foreign``, ``mismatch``)."""
 
     index: int
     pages: torch.Tensor | None
     cause: str = "hit"
     nbytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """Whether the chunk was read and passed every check."""
+        return self.cause == "hit"
 
 
 class ChunkStore:
@@ -120,6 +144,7 @@ class ChunkStore:
         self.block_size = block_size
         self.max_chunk_bytes = max_chunk_bytes
         self.checksum = checksum
+        self._lanes: ThreadPoolExecutor | None = None
 
     def ttl_at(self, index: int) -> int:
         """The TTL of a prompt's chunk ``index``, in ms: shorter the further the chunk lies (by up to a
@@ -319,10 +344,10 @@ class ChunkStore:
     # -- reading ----------------------------------------------------------------------------------
 
     def read(self, plan: ChunkPlan, indexes: Sequence[int], page_format: PageFormat, *,
-             refresh_ttl: bool = False) -> list[ChunkRead]:
+             refresh_ttl: bool = False, into: PagesPlace | None = None) -> list[ChunkRead]:
         """Read chunks ``indexes`` of ``plan`` (one round trip) and check each; a chunk that fails a check
         is deleted and read as ``None`` with its cause. ``refresh_ttl`` (reuse): the TTL of each chunk read,
-        and of every chunk before it, restarts."""
+        and of every chunk before it, restarts. ``into``: where pages go (on one server)."""
         if not indexes:
             return []
         keys = [self.keys.chunk(plan.digests[index]) for index in indexes]
@@ -332,7 +357,7 @@ class ChunkStore:
             fetched = None
             if not self.store.cluster:
                 fetched = self._fetch_framed(client, plan, indexes, keys, page_format, refresh_ttl,
-                                             after=touch)
+                                             after=touch, into=into)
             if fetched is not None:
                 values = fetched[1]
                 _no_errors(fetched[2])
@@ -344,8 +369,9 @@ class ChunkStore:
         return self._checked_reads(plan, indexes, keys, values, page_format)
 
     def take(self, plan: ChunkPlan, indexes: Sequence[int], page_format: PageFormat, *, queue: str | None,
-             wait_s: float, release: Sequence[str], holder: str,
-             refresh_ttl: bool = False) -> tuple[Any, list[ChunkRead]] | None:
+             wait_s: float, release: Sequence[str], holder: str, refresh_ttl: bool = False,
+             into: PagesPlace | None = None,
+             on_record: Callable[[], None] | None = None) -> tuple[Any, list[ChunkRead]] | None:
         """In one round trip on one server: take the oldest record of list ``queue`` (a blocking pop, waiting
         up to ``wait_s``; none without a queue), read chunks ``indexes`` as :meth:`read` does, then drop
         ``holder``'s hold on each of ``release`` as :meth:`release` does. Redis runs them in that order, so
@@ -355,7 +381,8 @@ class ChunkStore:
 
         The reads and the release run whether or not a record came: a caller that finds none (or a record of
         another prompt) has released the holds ``holder`` had on ``release`` all the same. ``refresh_ttl``
-        (reuse): the TTL of each chunk read, and of every chunk before it, restarts."""
+        (reuse): the TTL of each chunk read, and of every chunk before it, restarts. ``into``: where pages
+        go. ``on_record``: called as the record's reply starts to arrive (the pop's wait is over)."""
         if self.store.cluster:
             return None
         keys = [self.keys.chunk(plan.digests[index]) for index in indexes]
@@ -366,7 +393,8 @@ class ChunkStore:
             after += self._touches(plan, indexes)
         client = self.store.popper if queue is not None else self.store.redis
         with self.store.guarded(f"taking {len(keys)} chunks"):
-            fetched = self._fetch_framed(client, plan, indexes, keys, page_format, refresh_ttl, before, after)
+            fetched = self._fetch_framed(client, plan, indexes, keys, page_format, refresh_ttl, before, after,
+                                         into, on_record)
             if fetched is None:
                 return None
             popped, values, released = fetched
@@ -404,66 +432,141 @@ class ChunkStore:
 
     def _fetch_framed(self, client: Any, plan: ChunkPlan, indexes: Sequence[int], keys: list[str],
                       page_format: PageFormat, refresh_ttl: bool, before: Sequence[tuple[Any, ...]] = (),
-                      after: Sequence[tuple[Any, ...]] = ()) -> tuple[Any, list[Any], list[Any]] | None:
+                      after: Sequence[tuple[Any, ...]] = (), into: PagesPlace | None = None,
+                      on_before: Callable[[], None] | None = None) -> tuple[Any, list[Any], list[Any]] | None:
         """The chunks read on one server, framed by kvredis, between commands ``before`` (at most one) and
         ``after``: the reply of ``before``, each chunk's value, the replies of ``after``; ``None`` for a
-        stand-in client.
+        stand-in client. ``on_before`` is called as the reply of ``before`` starts to arrive.
 
-        Each chunk's payload is received straight into one output buffer allocated for all of them (huge
-        pages for large reads, :mod:`kvredis.memory`), its header into a small buffer of its own: the
-        payload's length is known from the page format, and it is the value's tail. A chunk of at most
-        ``KVREDIS_CHUNK_BYTES`` is one GET; a larger one is read in pieces of that size (as the lookup
-        buffer's entries are: Redis moves 1 MiB replies much faster than one multi-MiB reply) inside one
-        MULTI/EXEC with its STRLEN, so the pieces are one snapshot of the value: never two values' bytes.
-        A value whose length does not fit the layout (another format, a planted value) is fetched again
-        whole and checked as such, so it is dropped for the same cause as ever."""
+        Each chunk's payload is received straight where it belongs: its pages where ``into`` says (an
+        engine's KV blocks), or into one output buffer allocated for all of them (huge pages for large
+        reads, :mod:`kvredis.memory`); its header into a small buffer of its own. The payload's length is
+        known from the page format, and it is the value's tail. A chunk of at most
+        ``KVREDIS_INFLIGHT_BYTES`` (or ``KVREDIS_CHUNK_BYTES`` if larger) is one GET; a larger one is read in
+        pieces of ``KVREDIS_CHUNK_BYTES`` with GETRANGE, about ``KVREDIS_INFLIGHT_BYTES`` requested ahead
+        (Redis serves a reply of a few MiB much faster than one of many: docs/benchmarks.md). Pieces of
+        one value read apart could come from two values if the key were written again between them; each
+        chunk's checksum then fails, so the read is a miss, never mixed bytes. Without checksums the pieces
+        are read inside one MULTI/EXEC, one snapshot. A value whose length does not fit the layout (another
+        format, a planted value) is fetched again whole and checked as such, so it is dropped for the same
+        cause as ever."""
         piece = max(self.store.config.chunk_bytes, 1)
+        # A value Redis serves well as one reply (up to the bytes kept in flight) is one GET: cut into
+        # pieces, a chunk just over a piece would cost a round trip for its last few bytes.
+        one_reply = max(piece, self.store.config.inflight_bytes)
         sizes = [self._payload_nbytes(plan, index, page_format) for index in indexes]
-        out = fresh_output(sum(sizes)).numpy().data.cast("B")
-        commands: list[tuple[Any, ...]] = list(before)
-        places: list[resp.Place | None] = [None] * len(before)
-        costs: list[int] = [0] * len(before)
+        out = None if into is not None else fresh_output(sum(sizes)).numpy().data.cast("B")
+        # A large read goes over two connections at once, each chunk whole on one of them: one connection
+        # alone leaves Redis and the socket idle in turn (docs/benchmarks.md).
+        lanes = [_Lane(before)]
+        if len(indexes) > 1 and sum(sizes) >= _TWO_LANES_BYTES:
+            lanes.append(_Lane())
         reads: list[_Read] = []
         offset = 0
-        for index, key, size in zip(indexes, keys, sizes, strict=True):
+        snapshot = not self.checksum
+        for position, (index, key, size) in enumerate(zip(indexes, keys, sizes, strict=True)):
             ttl = self.ttl_at(index)
-            read = _Read(out[offset:offset + size], piece)
+            if into is None:
+                assert out is not None
+                read = _Read(size, piece, Scatter([out[offset:offset + size]]))
+            else:
+                read = _Read(size, piece, None, functools.partial(_placed_payload, into, index, size,
+                                                                  page_format))
             offset += size
             reads.append(read)
-            read.first = read.last = len(commands)
-            if size <= piece:
-                commands.append(("GETEX", key, "PX", ttl) if refresh_ttl else ("GET", key))
-                places.append(read.place_whole)
-                costs.append(size)
+            read.lane = position % len(lanes)
+            lane = lanes[read.lane]
+            read.first = read.last = len(lane.commands)
+            read.stop = read.first + 1
+            if size <= one_reply:
+                lane.add(("GETEX", key, "PX", ttl) if refresh_ttl else ("GET", key), read.place_whole, size)
                 continue
             # The header is what precedes the payload's ``size`` bytes; the pieces are counted from the end.
             ranges = [("GETRANGE", key, 0, -size - 1)]
             ranges += [("GETRANGE", key, start - size, min(start + piece, size) - size - 1)
                        for start in range(0, size, piece)]
             expiry = [("PEXPIRE", key, ttl)] if refresh_ttl else []
-            group = [("MULTI",), ("STRLEN", key), *ranges, *expiry, ("EXEC",)]
-            read.last = len(commands) + len(group) - 1
-            commands += group
-            places += [None] * (len(group) - 1) + [read.place_pieces]
-            costs += [0] * (len(group) - 1) + [size]
-        first_after = len(commands)
-        commands += after
-        places += [None] * len(after)
-        costs += [0] * len(after)
-        # Two chunks' replies at least in flight: Redis makes a transaction's whole reply before sending any
-        # of it, so with one it would wait idle while the last one streams to us.
-        window = max(self.store.config.inflight_bytes, 2 * max(sizes, default=0))
-        replies = self.store.pipeline(client, commands, places, costs, window)
-        if replies is None:
-            return None
-        values = [read.value(replies, size) for read, size in zip(reads, sizes, strict=True)]
+            if snapshot:
+                group = [("MULTI",), *ranges, *expiry, ("EXEC",)]
+                read.last = len(lane.commands) + len(group) - 1
+                read.stop = read.last + 1
+                for command in group[:-1]:
+                    lane.add(command)
+                lane.add(group[-1], read.place_in_exec, size)
+                continue
+            read.last = len(lane.commands) + len(ranges) - 1
+            read.stop = read.last + 1 + len(expiry)
+            lane.add(ranges[0])
+            for number, (command, start) in enumerate(zip(ranges[1:], range(0, size, piece), strict=True)):
+                lane.add(command, read.piece_place(number), min(piece, size - start))
+            for command in expiry:
+                lane.add(command)
+        window = self.store.config.inflight_bytes
+        if snapshot:  # Redis makes a transaction's whole reply before sending any: two in flight at least
+            window = max(window, 2 * max(sizes, default=0))
+        if len(lanes) == 1:
+            first_after = len(lanes[0].commands)
+            for command in after:
+                lanes[0].add(command)
+            lanes[0].notice(on_before)
+            replies = self.store.pipeline(client, lanes[0].commands, lanes[0].places, lanes[0].costs, window)
+            if replies is None:
+                return None
+            values = [read.value(replies) for read in reads]
+            after_replies = replies[first_after:]
+        else:
+            read_replies = self._two_lanes(client, lanes, window, on_before)
+            if read_replies is None:
+                return None
+            replies = read_replies[0]
+            values = [None if read_replies[read.lane] is None else read.value(read_replies[read.lane])
+                      for read in reads]
+            # After every read of both connections: a release must not delete a chunk still being read.
+            after_replies = (self.store.call(client, *after) or []) if after else []
         again = [i for i, value in enumerate(values) if value is _AGAIN]
         if again:
             whole = self._fetch(self.store.redis, [keys[i] for i in again],
                                 self._ttls([indexes[i] for i in again]) if refresh_ttl else None)
             for i, value in zip(again, whole, strict=True):
                 values[i] = value
-        return (replies[0] if before else None), values, replies[first_after:]
+        return (replies[0] if before else None), values, after_replies
+
+    def _two_lanes(self, client: Any, lanes: list[_Lane], window: int,
+                   on_before: Callable[[], None] | None) -> list[Any] | None:
+        """Each lane's replies, the first lane's on ``client``, the second's on another connection at the
+        same time, started once the first lane's ``before`` (a transfer's pop) answered, so no chunk is read
+        before its record came. The second lane's replies are ``None`` when that never happened (no record
+        came: its chunks read as absent); ``None`` for a stand-in client. Returns only once both are over."""
+        first, second = lanes
+        started: list[Future[list[Any] | None]] = []
+
+        def start() -> None:
+            if not started:
+                started.append(self._lane_thread().submit(self.store.pipeline, self.store.redis,
+                                                          second.commands, second.places, second.costs,
+                                                          window))
+            if on_before is not None:
+                on_before()
+
+        if first.before:
+            first.notice(start)
+        else:
+            start()
+        try:
+            replies = self.store.pipeline(client, first.commands, first.places, first.costs, window)
+        finally:
+            wait_futures(started)  # never leave while the other connection still writes into the pages
+        if replies is None:
+            return None
+        return [replies, started[0].result() if started else None]
+
+    def _lane_thread(self) -> ThreadPoolExecutor:
+        """The threads second lanes run on (made at the first large read)."""
+        with _LANES_LOCK:
+            if self._lanes is None:
+                self._lanes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvredis-read")
+            return self._lanes
+
 
     def pages_nbytes(self, plan: ChunkPlan, index: int, page_format: PageFormat) -> int:
         """The bytes of chunk ``index``'s pages in ``page_format``."""
@@ -492,7 +595,7 @@ class ChunkStore:
                 read = ChunkRead(index, None, "foreign")
             else:
                 read = self._verified(plan, index, value, page_format)
-            if read.pages is None:
+            if not read.ok:
                 logger.warning("dropped chunk %s (%s)", key, read.cause)
                 bad.append(key)
             reads.append(read)
@@ -523,13 +626,16 @@ class ChunkStore:
                     tensors, meta = codec.decode(view, max_payload_bytes=self.max_chunk_bytes,
                                                  verify=self.checksum)
                     return self._matched(plan, index, meta, tensors, view.nbytes, page_format)
-                split = _Split(view[:header.payload_offset], view[header.payload_offset:], view.nbytes)
+                split = _Split(view[:header.payload_offset], Scatter([view[header.payload_offset:]]),
+                               view.nbytes)
             else:
                 return ChunkRead(index, None, "foreign")
             checked = self._verified_split(plan, index, header, split, page_format)
             if checked is not None:
                 return checked
-            tensors = codec.decode_payload(header, split.payload, verify=self.checksum)
+            if split.payload.in_place:  # a layout read_header refused above, or pages spread over blocks
+                return ChunkRead(index, None, "corrupt")
+            tensors = codec.decode_payload(header, split.payload.views[0], verify=self.checksum)
         except CodecError as exc:
             cause = "foreign" if "foreign" in str(exc) or "version" in str(exc) else "corrupt"
             logger.debug("chunk %d of a prompt: %s", index, exc)
@@ -576,15 +682,15 @@ class ChunkStore:
                 or tokens.dtype != torch.int64 or tokens.shape != (stop - start,)):
             return ChunkRead(index, None, "foreign")
         payload = value.payload
-        raw_tokens = payload[tokens_at:tokens_at + tokens.nbytes]
-        raw_pages = payload[pages_at:pages_at + pages.nbytes]
-        if self.checksum:
-            checksum = header.checksum
-            if ((tokens.crc is not None and checksum(raw_tokens) != tokens.crc)
-                    or (pages.crc is not None and checksum(raw_pages) != pages.crc)):
-                logger.debug("chunk %d of a prompt: checksum mismatch", index)
-                return ChunkRead(index, None, "corrupt")
-        if raw_tokens != plan.chunk_tokens_of(index).cast("B"):
+        raw_tokens = payload.span(tokens_at, tokens_at + tokens.nbytes)
+        raw_pages = payload.span(pages_at, pages_at + pages.nbytes)
+        if self.checksum and (
+                (tokens.crc is not None and codec.parts_checksum(header.version, raw_tokens) != tokens.crc)
+                or (pages.crc is not None and codec.parts_checksum(header.version, raw_pages) != pages.crc)):
+            logger.debug("chunk %d of a prompt: checksum mismatch", index)
+            return ChunkRead(index, None, "corrupt")
+        expected_tokens = plan.chunk_tokens_of(index).cast("B")
+        if (raw_tokens[0] if len(raw_tokens) == 1 else b"".join(raw_tokens)) != expected_tokens:
             return ChunkRead(index, None, "foreign")
         blocks = -(-(stop - start) // self.block_size)
         expected = page_format.shape(blocks * page_format.pages_per_block)
@@ -592,8 +698,10 @@ class ChunkStore:
             logger.warning("chunk %d holds %s %s; this engine needs %s %s", index, pages.shape, pages.dtype,
                            expected, page_format.dtype)
             return ChunkRead(index, None, "mismatch")
-        tensor = torch.frombuffer(payload, dtype=pages.dtype, count=pages.nbytes // pages.dtype.itemsize,
-                                  offset=pages_at)
+        if payload.in_place:
+            return ChunkRead(index, None, "hit", value.nbytes)
+        raw = raw_pages[0] if len(raw_pages) == 1 else bytearray(b"".join(raw_pages))
+        tensor = torch.frombuffer(raw, dtype=pages.dtype, count=pages.nbytes // pages.dtype.itemsize)
         return ChunkRead(index, tensor.view(expected), "hit", value.nbytes)
 
     # -- releasing --------------------------------------------------------------------------------
@@ -669,8 +777,74 @@ def _aligned(nbytes: int) -> int:
 _TTL_STEPS = 1024  # chunk positions over which a prompt's TTLs shorten (ChunkStore.ttl_at)
 _HASH_AHEAD_BYTES = 32 << 20  # a write of this many bytes or more hashes on a thread while it sends
 _MIN_HEADER = codec.ALIGN  # a blob's prefix and header, padded: never less than this
+_TWO_LANES_BYTES = 16 << 20  # a read of this many bytes or more goes over two connections
+_LANES_LOCK = threading.Lock()
 _AGAIN = object()
 """A chunk read in pieces whose value did not have the layout expected: to be fetched again whole."""
+
+
+class Scatter:
+    """A payload's bytes laid over several buffers, in order (one buffer of the read's own, or the chunk's
+    tokens in a small buffer and its pages in an engine's KV blocks: ``in_place``)."""
+
+    __slots__ = ("ends", "in_place", "views")
+
+    def __init__(self, views: Sequence[memoryview], *, in_place: bool = False) -> None:
+        self.views = list(views)
+        self.in_place = in_place
+        self.ends = list(itertools.accumulate(view.nbytes for view in self.views))
+
+    @property
+    def nbytes(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def span(self, start: int, stop: int) -> list[memoryview]:
+        """The buffers holding bytes ``start..stop-1``, the first and last cut to them."""
+        if stop <= start:
+            return []
+        if stop > self.nbytes:
+            raise ValueError(f"bytes up to {stop} of a {self.nbytes}-byte payload")
+        first = bisect.bisect_right(self.ends, start)
+        last = bisect.bisect_left(self.ends, stop)
+        begin = self.ends[first] - self.views[first].nbytes
+        if first == last:
+            return [self.views[first][start - begin:stop - begin]]
+        out = self.views[first:last + 1]
+        out[0] = out[0][start - begin:]
+        end_begin = self.ends[last] - self.views[last].nbytes
+        out[-1] = out[-1][:stop - end_begin]
+        return out
+
+    def join(self) -> bytes:
+        """Every byte in one buffer (a copy)."""
+        return b"".join(self.views)
+
+
+def _noticing(call: Callable[[], None]) -> resp.Place:
+    """A :data:`~kvredis.resp.Place` calling ``call`` at its reply's first bulk string; it places nothing."""
+    called: list[bool] = []
+
+    def place(length: int) -> None:
+        if not called:
+            called.append(True)
+            call()
+    return place
+
+
+def _placed_payload(into: PagesPlace, index: int, size: int, page_format: PageFormat) -> Scatter:
+    """Where chunk ``index``'s payload of ``size`` bytes goes when ``into`` places its pages: the tokens and
+    any padding in small buffers of their own, the pages where ``into`` says (or all of it in a buffer of
+    the read's own, where ``into`` declines)."""
+    views = into(index)
+    if views is None:
+        return Scatter([fresh_output(size).numpy().data.cast("B")])
+    pages = sum(view.nbytes for view in views)
+    head = size - _aligned(pages)
+    if head < 0 or pages % page_format.dtype.itemsize:
+        raise ValueError(f"{pages} bytes of pages placed for a {size}-byte payload")
+    pad = _aligned(pages) - pages
+    return Scatter([memoryview(bytearray(head)), *views, *([memoryview(bytearray(pad))] if pad else [])],
+                   in_place=into.in_place)
 
 
 @dataclass
@@ -678,72 +852,109 @@ class _Split:
     """A chunk's value as received: its header (what precedes the payload) and its payload, in place."""
 
     header: bytearray | memoryview
-    payload: memoryview
+    payload: Scatter
     nbytes: int
 
     def joined(self) -> bytearray:
         """The whole value in one buffer (a copy: for values that fail the split's assumptions)."""
-        return bytearray(self.header) + self.payload
+        return bytearray(self.header) + self.payload.join()
+
+
+class _Lane:
+    """The commands one connection sends for a read (``before`` first), where their replies go, and what
+    each costs in bytes in flight."""
+
+    def __init__(self, before: Sequence[tuple[Any, ...]] = ()) -> None:
+        self.before = list(before)
+        self.commands: list[tuple[Any, ...]] = list(before)
+        self.places: list[resp.Place | None] = [None] * len(before)
+        self.costs: list[int] = [0] * len(before)
+
+    def add(self, command: tuple[Any, ...], place: resp.Place | None = None, cost: int = 0) -> None:
+        self.commands.append(command)
+        self.places.append(place)
+        self.costs.append(cost)
+
+    def notice(self, call: Callable[[], None] | None) -> None:
+        """Call ``call`` as the reply of ``before`` starts to arrive."""
+        if self.before and call is not None:
+            self.places[0] = _noticing(call)
 
 
 class _Read:
-    """Where one chunk's reply goes: the payload into its slot of the output, the header into a buffer of
-    its own. Its ``place_*`` methods are the reply's :data:`kvredis.resp.Place`."""
+    """Where one chunk's reply goes: the payload where its :class:`Scatter` says (made when the reply
+    arrives), the header into a buffer of its own. Its ``place_*`` methods are the reply's
+    :data:`kvredis.resp.Place`."""
 
-    __slots__ = ("first", "header", "last", "payload", "piece", "pieces")
+    __slots__ = ("first", "header", "lane", "last", "make", "payload", "piece", "pieces", "size", "stop")
 
-    def __init__(self, payload: memoryview, piece: int) -> None:
-        self.payload = payload
+    def __init__(self, size: int, piece: int, payload: Scatter | None,
+                 make: Callable[[], Scatter] | None = None) -> None:
+        self.size = size
         self.piece = piece
-        self.first = self.last = 0  # the indexes of its first and last commands (GET; MULTI and EXEC)
+        self.payload = payload
+        self.make = make
+        # The indexes of its first and last commands (GET; the header's GETRANGE and the last piece's, or
+        # MULTI and EXEC), and the first after its own (a TTL's restart included).
+        self.first = self.last = self.stop = 0
+        self.lane = 0  # the connection it is read on (:class:`_Lane`)
         self.header: bytearray | None = None
-        self.pieces = -1  # bulk replies of a piecewise read seen so far (-1: the header's next)
+        self.pieces = -1  # bulk replies of a transaction's read seen so far (-1: the header's next)
+
+    def _scatter(self) -> Scatter:
+        if self.payload is None:
+            assert self.make is not None
+            self.payload = self.make()
+        return self.payload
 
     def place_whole(self, length: int) -> list[memoryview] | None:
         """A GET's value: the header, then the payload in place (if the length allows that layout)."""
-        header = length - self.payload.nbytes
+        header = length - self.size
         if header < _MIN_HEADER or header % codec.ALIGN or header > codec.MAX_HEADER_BYTES + codec.ALIGN:
             return None
         self.header = bytearray(header)
-        return [memoryview(self.header), self.payload]
+        return [memoryview(self.header), *self._scatter().views]
 
-    def place_pieces(self, length: int) -> list[memoryview] | None:
-        """The bulk replies inside a piecewise read's EXEC: the header (kept as it is), then each piece into
-        its slot if it has the length expected."""
+    def piece_place(self, number: int) -> resp.Place:
+        """Where piece ``number``'s reply goes: its slot of the payload, if it has the length expected."""
+        def place(length: int) -> Sequence[memoryview] | None:
+            start = number * self.piece
+            if length != min(self.piece, self.size - start) or length <= 0:
+                return None
+            return self._scatter().span(start, start + length)
+        return place
+
+    def place_in_exec(self, length: int) -> Sequence[memoryview] | None:
+        """The bulk replies inside a transaction's EXEC: the header (kept as it is), then each piece."""
         seen, self.pieces = self.pieces, self.pieces + 1
-        if seen < 0:
-            return None
-        start = seen * self.piece
-        expected = min(self.piece, self.payload.nbytes - start)
-        if length != expected or expected <= 0:
-            return None
-        return [self.payload[start:start + length]]
+        return None if seen < 0 else self.piece_place(seen)(length)
 
-    def value(self, replies: list[Any], size: int) -> Any:
+    def value(self, replies: list[Any]) -> Any:
         """The chunk's value from its replies: whole, :class:`_Split`, ``None`` (absent), an error reply
         (WRONGTYPE), or :data:`_AGAIN`."""
         reply = replies[self.first]
         if isinstance(reply, resp.Placed):  # a GET, split as expected
-            assert self.header is not None
+            assert self.header is not None and self.payload is not None
             return _Split(self.header, self.payload, reply.nbytes)
         if self.last == self.first:  # a GET's whole value, None, or an error reply
             return reply
-        # MULTI, the queued commands, EXEC: an error anywhere (NOPERM, WRONGTYPE) is the chunk's reply.
-        for answer in replies[self.first:self.last]:
+        # An error anywhere (NOPERM, WRONGTYPE) is the chunk's reply.
+        for answer in replies[self.first:self.stop]:
             if _is_error(answer):
                 return answer
-        executed = replies[self.last]
-        if _is_error(executed):
-            return executed
-        if not isinstance(executed, list) or len(executed) < 2:
-            return _AGAIN
-        for answer in executed:
-            if _is_error(answer):
-                return answer
-        length, header, *pieces = executed[:2 + -(-size // self.piece)]
-        if length == 0:
-            return _AGAIN  # absent, or an empty value: the whole fetch tells which
-        if (not isinstance(header, bytearray) or length != len(header) + size or len(header) < _MIN_HEADER
+        count = -(-self.size // self.piece)
+        if isinstance(reply, str):  # MULTI's OK: the pieces are inside EXEC's reply
+            executed = replies[self.last]
+            if not isinstance(executed, list) or len(executed) < 1 + count:
+                return _AGAIN
+            for answer in executed:
+                if _is_error(answer):
+                    return answer
+            header, *pieces = executed[:1 + count]
+        else:
+            header, *pieces = replies[self.first:self.last + 1]
+        # An absent key reads as empty ranges: the whole fetch tells absent from short.
+        if (not isinstance(header, bytearray) or len(header) < _MIN_HEADER or self.payload is None
                 or not all(isinstance(piece, resp.Placed) for piece in pieces)):
             return _AGAIN
-        return _Split(header, self.payload, length)
+        return _Split(header, self.payload, len(header) + self.size)

@@ -74,6 +74,19 @@ def _parts_checksum(parts: Sequence[memoryview]) -> int:
     return hasher.intdigest()
 
 
+def parts_checksum(version: int, parts: Sequence[memoryview]) -> int:
+    """The payload checksum of format ``version`` of the parts' bytes joined (without joining them): a
+    chunk received into an engine's blocks is checked where it lies."""
+    if len(parts) == 1:
+        return CHECKSUMS[version](parts[0])
+    if version == 1:
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        return crc
+    return _parts_checksum(parts)
+
+
 def header_checksum(version: int, packed: bytes | memoryview) -> int:
     """The 32-bit checksum of a packed header in format ``version``."""
     return CHECKSUMS[version](packed) & 0xFFFFFFFF

@@ -280,6 +280,9 @@ SETTINGS: tuple[Setting, ...] = (
             "prefill writes whole chunks, and prompts share the chunks of a common prefix."),
     Setting("inflight_bytes", _size, 4 << 20,
             "Bytes of pieces a reader keeps requested ahead (deeper read pipelines slow down)."),
+    Setting("pinned_bytes", _size, 256 << 20,
+            "Pinned host memory a GPU engine's loads receive chunks into: allocated at the first load and "
+            "kept, one slot a load thread (a larger load gets pinned memory of its own)."),
     Setting("write_batch_bytes", _size, 16 << 20,
             "Bytes of pieces a writer sends per pipelined round trip."),
     Setting("max_entry_bytes", _size, 8 << 30,
@@ -352,6 +355,7 @@ class KVRedisConfig:
     chunk_bytes: int = 1 << 20
     chunk_tokens: int = 64
     inflight_bytes: int = 4 << 20
+    pinned_bytes: int = 256 << 20
     write_batch_bytes: int = 16 << 20
     max_entry_bytes: int = 8 << 30
     connect_timeout_s: float = 2.0

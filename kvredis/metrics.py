@@ -47,6 +47,10 @@ def _series() -> dict[str, Any]:
                                         buckets=_LATENCY_BUCKETS),
                 load_seconds=histogram("kvredis_load_seconds", "Time to load one entry", ["namespace"],
                                        buckets=_LATENCY_BUCKETS),
+                wait_seconds=histogram("kvredis_wait_seconds",
+                                       "Time a load of an announced transfer waited for its record (the "
+                                       "prefill's write still in flight), part of kvredis_load_seconds",
+                                       ["namespace"], buckets=_LATENCY_BUCKETS),
             )
     return _prometheus
 
@@ -69,6 +73,7 @@ class Metrics:
                 "bytes_loaded": self._series["bytes"].labels(namespace, "loaded"),
                 "store_seconds": self._series["store_seconds"].labels(namespace),
                 "load_seconds": self._series["load_seconds"].labels(namespace),
+                "wait_seconds": self._series["wait_seconds"].labels(namespace),
             }
 
     def _add(self, *names: str) -> None:
@@ -94,8 +99,9 @@ class Metrics:
             self._hot["bytes_stored"].inc(nbytes)
             self._hot["store_seconds"].observe(seconds)
 
-    def loaded(self, nbytes: int, seconds: float) -> None:
-        """One entry read back (a hit)."""
+    def loaded(self, nbytes: int, seconds: float, waited: float | None = None) -> None:
+        """One entry read back (a hit), in ``seconds``, of which it ``waited`` for a transfer's record
+        (``None``: it was not waiting for one)."""
         with self._lock:
             self.counts["loaded"] += 1
             self.counts["bytes_loaded"] += nbytes
@@ -103,6 +109,8 @@ class Metrics:
             self._hot["loaded"].inc()
             self._hot["bytes_loaded"].inc(nbytes)
             self._hot["load_seconds"].observe(seconds)
+            if waited is not None:
+                self._hot["wait_seconds"].observe(waited)
 
     def miss(self, cause: str) -> None:
         """One lookup that found nothing usable, and why (one of :data:`MISS_CAUSES`)."""

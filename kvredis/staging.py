@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -84,6 +84,9 @@ class Device(Protocol):
 
     def bound(self) -> AbstractContextManager[None]:
         """Bind the calling (background) thread to the device for the block's duration."""
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in pinned host memory (a copy from it to the device is asynchronous)."""
 
 
 def copy_pages_out(layer: torch.Tensor, index: torch.Tensor, out: torch.Tensor, *,
@@ -156,6 +159,9 @@ class CudaDevice:
         # A thread that is not bound would create a context on GPU 0 and queue on its legacy default stream.
         return torch.cuda.device(self.device)
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return bool(tensor.is_pinned())
+
 
 def device_for(caches: Mapping[str, torch.Tensor]) -> Device | None:
     """The :class:`Device` whose streams move these caches' pages; ``None`` where pages move directly (the
@@ -183,6 +189,21 @@ class Transfer:
         self.keep = []
 
 
+class PinnedLease:
+    """A load's pinned host memory (``buffer``, ``uint8``), its until :meth:`release`."""
+
+    def __init__(self, buffer: torch.Tensor, give_back: Callable[[], None] | None) -> None:
+        self.buffer = buffer
+        self.pooled = give_back is not None
+        self._give_back = give_back
+
+    def release(self) -> None:
+        """Hand the memory back (once its copies to the device ran); idempotent."""
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
+
+
 class DeviceStaging:
     """One worker's page transfers between its device's caches and pinned host memory.
 
@@ -190,8 +211,13 @@ class DeviceStaging:
     step; :meth:`load` runs on a load thread; :meth:`host_empty` and :meth:`host_bytes` anywhere.
     """
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, pinned_bytes: int = 0, slots: int = 1) -> None:
         self.device = device
+        # Loads receive chunks into slots of one pinned buffer, allocated at the first load and kept.
+        self._slots = max(slots, 1)
+        self._slot_bytes = pinned_bytes // self._slots
+        self._pool: torch.Tensor | None = None
+        self._free_slots = list(range(self._slots))
         self._save_stream = device.new_stream()
         # One load stream for every load thread: copies to one device share its copy engines anyway.
         self._load_stream = device.new_stream()
@@ -211,6 +237,29 @@ class DeviceStaging:
     def bound(self) -> AbstractContextManager[None]:
         """Bind the calling background thread to the device (its allocations, its streams)."""
         return self.device.bound()
+
+    def pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in pinned host memory."""
+        return self.device.is_pinned(tensor)
+
+    def lease(self, nbytes: int) -> PinnedLease:
+        """Pinned memory for one load to receive ``nbytes`` of pages into: a slot of the pool (allocated at
+        the first lease, then reused; a slot is never handed to two loads at once), or, for a load larger
+        than a slot or while every slot is leased, a buffer of its own."""
+        with self._lock:
+            if 0 < nbytes <= self._slot_bytes and self._free_slots:
+                if self._pool is None:
+                    self._pool = self.host_bytes(self._slot_bytes * self._slots)
+                slot = self._free_slots.pop()
+                start = slot * self._slot_bytes
+                return PinnedLease(self._pool[start:start + nbytes], lambda: self._give_back(slot))
+        return PinnedLease(self.host_bytes(nbytes), None)
+
+    def _give_back(self, slot: int) -> None:
+        with self._lock:
+            if slot in self._free_slots:
+                raise RuntimeError(f"pinned slot {slot} given back twice")
+            self._free_slots.append(slot)
 
     # -- saves (the engine's thread) --------------------------------------------------------------
 
@@ -272,15 +321,22 @@ class DeviceStaging:
         """An event on the forward's stream now (the engine's thread, as the step starts its loads)."""
         return self.device.record_event(self.device.current_stream())
 
-    def load(self, writes: Sequence[tuple[torch.Tensor, torch.Tensor]], targets: torch.Tensor,
+    def load(self, writes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
              after: Event | None) -> None:
-        """Write each ``(layer, pages)``'s pinned ``pages`` into ``layer`` at host-indexed ``targets``,
-        after ``after``; returns once the copies ran. Call from a thread :meth:`bound` to the device."""
+        """Write each ``(layer, pages, targets)``'s pinned ``pages`` into ``layer`` at host-indexed
+        ``targets``, after ``after``; returns once every copy ran (one event for them all). Call from a
+        thread :meth:`bound` to the device."""
         stream = self._load_stream
         if after is not None:
             self.device.wait_event(stream, after)
-        index = self.device.upload_index(stream, targets)
-        for layer, pages in writes:
+        indices: dict[tuple[int, ...], torch.Tensor] = {}  # each index uploaded once
+        keep: list[torch.Tensor] = []
+        for layer, pages, targets in writes:
+            key = tuple(targets.tolist())
+            index = indices.get(key)
+            if index is None:
+                index = indices[key] = self.device.upload_index(stream, targets)
+                keep.append(index)
             self.device.scatter_from_host(stream, layer, index, pages)
-        Transfer(self.device.record_event(stream), [index, *(pages for _, pages in writes)]).wait()
-
+            keep.append(pages)
+        Transfer(self.device.record_event(stream), keep).wait()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,7 @@ import xxhash
 
 from kvredis import codec
 from kvredis.chunk_keys import ChunkPlan
-from kvredis.chunk_store import NOBODY, ChunkRead, ChunkStore, PageFormat
+from kvredis.chunk_store import NOBODY, ChunkRead, ChunkStore, PageFormat, PagesPlace
 from kvredis.client import RedisStore
 from kvredis.errors import CodecError, KVRedisError
 from kvredis.keys import check_entry_id
@@ -93,14 +94,16 @@ class Saved:
 
 @dataclass
 class Taken:
-    """What a take got: the pages of chunks ``first..`` in order (each ``[layers, pages, ...]``), ending at
+    """What a take got: the pages of chunks ``first..`` in order (each ``[layers, pages, ...]``, or ``None``
+    where they were received in place: :data:`~kvredis.chunk_store.PagesPlace`), ending at
     the first chunk that could not be read, and why nothing more (``"hit"``: everything asked for;
     ``"late"``: no transfer record within the pop bound, so nothing was read; else a chunk's cause)."""
 
     first: int
-    chunks: list[torch.Tensor] = field(default_factory=list)
+    chunks: list[torch.Tensor | None] = field(default_factory=list)  # None: received in place
     cause: str = "hit"
     nbytes: int = 0
+    waited: float | None = None  # seconds the take waited for its transfer's record (None: no record)
 
     def stop(self, plan: ChunkPlan) -> int:
         """The position up to which the pages taken hold the prompt's KV."""
@@ -162,15 +165,20 @@ class Transfers:
     # -- the producer --------------------------------------------------------------------------------
 
     def save(self, plan: ChunkPlan, pages: torch.Tensor, *, transfer_id: str | None = None,
-             pages_per_block: int = 1) -> Saved:
+             pages_per_block: int = 1, known: int = 0) -> Saved:
         """Store the prompt's pages (``[layers, kernel pages of every block of the prompt, ...]``): only the
         chunks Redis lacks are written; with ``transfer_id`` every chunk is held for it and the record is
-        pushed last."""
+        pushed last. ``known`` (reuse): the first chunks Redis held when the engine looked the prompt up;
+        ``pages`` starts after them. Their TTLs restart as the others'; one gone since is not written (a
+        later prefill of the prefix writes it again)."""
         per_chunk = self.chunk_tokens // self.block_size * pages_per_block
-        expected = -(-(plan.num_tokens - plan.start) // self.block_size) * pages_per_block
-        if pages.dim() < 2 or pages.shape[1] != expected:
-            raise KVRedisError(f"positions {plan.start}..{plan.num_tokens - 1} of a prompt have {expected} "
-                               f"pages, got {tuple(pages.shape)}")
+        if known and (not self.reuse or plan.start or known > plan.num_chunks):
+            raise ValueError(f"{known} chunks known present in a save that cannot skip them")
+        expected = -(-(plan.num_tokens - plan.start) // self.block_size) * pages_per_block - known * per_chunk
+        if pages.dim() < 2 or pages.shape[1] != max(expected, 0):
+            first = plan.start + known * self.chunk_tokens
+            raise KVRedisError(f"positions {first}..{plan.num_tokens - 1} of a prompt have {expected} pages, "
+                               f"got {tuple(pages.shape)}")
         nbytes = pages.numel() * pages.element_size()
         if self._inline(plan, transfer_id, nbytes):
             assert transfer_id is not None
@@ -180,13 +188,14 @@ class Transfers:
         holder = None if self.reuse else transfer_id
         if self.reuse:
             present = self.chunks.present(plan.digests, refresh=True)
-            missing = [index for index, there in enumerate(present) if not there]
+            missing = [index for index, there in enumerate(present) if not there and index >= known]
         elif nbytes <= _PROBE_ABOVE_BYTES:
             missing = list(range(plan.num_chunks))
         else:
             present = self.chunks.present(plan.digests, holder=transfer_id)
             missing = [index for index, there in enumerate(present) if not there]
-        chunks = [(index, pages[:, index * per_chunk:(index + 1) * per_chunk]) for index in missing]
+        chunks = [(index, pages[:, (index - known) * per_chunk:(index - known + 1) * per_chunk])
+                  for index in missing]
         record = None
         if transfer_id is not None:
             record = (self.record_key(transfer_id), self._record(plan, transfer_id, holds=holder is not None))
@@ -226,21 +235,32 @@ class Transfers:
     # -- the consumer --------------------------------------------------------------------------------
 
     def take(self, plan: ChunkPlan, start: int, stop: int, page_format: PageFormat, *,
-             transfer_id: str | None = None, hand_on: tuple[str, ...] = (), keep: bool = False) -> Taken:
+             transfer_id: str | None = None, hand_on: tuple[str, ...] = (), keep: bool = False,
+             into: PagesPlace | None = None) -> Taken:
         """The pages of the chunks covering positions ``start..stop-1``, waiting up to the pop timeout for
         the transfer's record when it has an id; then the transfer's holds are released (with no id, the
         chunks up to the last one read are deleted where no transfer holds them). ``hand_on``: the ids under
         which other readers of the same chunks take the transfer (ranks of a decode holding the same KV
         heads): once the record is here, each gets holds and a record of its own. ``keep``: a take without
-        an id deletes nothing (other ranks read the same chunks)."""
+        an id deletes nothing (other ranks read the same chunks). ``into``: where the chunks' pages are
+        received (an engine's KV blocks; a small transfer's chunk, carried in its record, is not placed).
+        With an id, :attr:`Taken.waited` says how long the record was waited for."""
+        clock = _RecordClock()
+        taken = self._take(plan, start, stop, page_format, transfer_id, hand_on, keep, into, clock)
+        if transfer_id is not None and clock.arrived is not None:
+            taken.waited = clock.arrived - clock.started
+        return taken
+
+    def _take(self, plan: ChunkPlan, start: int, stop: int, page_format: PageFormat, transfer_id: str | None,
+              hand_on: tuple[str, ...], keep: bool, into: PagesPlace | None, clock: _RecordClock) -> Taken:
         indexes = plan.covering(start, stop)
         if plan.num_chunks == 1 and self._inline(plan, transfer_id,
                                                  self.chunks.pages_nbytes(plan, 0, page_format)):
             assert transfer_id is not None
-            return self._take_inline(plan, indexes, page_format, transfer_id, hand_on)
+            return self._take_inline(plan, indexes, page_format, transfer_id, hand_on, clock)
         if hand_on and transfer_id is not None:
             return self._take_stepwise(plan, indexes, page_format, transfer_id,
-                                       popped=self._pop_record(transfer_id, hand_on))
+                                       popped=self._pop_record(transfer_id, hand_on, clock), into=into)
         # Without a transfer the prompt's stored chunks are taken as an entry was, whole: those before the
         # ones read (the decode's prefix cache held them) go too. In reuse mode nothing goes.
         release: tuple[str, ...] = plan.digests if transfer_id is not None else plan.digests[:indexes.stop]
@@ -250,12 +270,14 @@ class Transfers:
         try:
             combined = self.chunks.take(plan, list(indexes), page_format, queue=queue,
                                         wait_s=self.pop_timeout_s, release=release,
-                                        holder=transfer_id or NOBODY, refresh_ttl=self.reuse)
+                                        holder=transfer_id or NOBODY, refresh_ttl=self.reuse, into=into,
+                                        on_record=clock.mark)
         except BaseException:
             self._release_quietly(release, transfer_id or NOBODY)  # the pipeline may have stopped before it
             raise
         if combined is None:  # a cluster or a stand-in client: one step after the other
-            return self._take_stepwise(plan, indexes, page_format, transfer_id, keep=keep)
+            return self._take_stepwise(plan, indexes, page_format, transfer_id, keep=keep, into=into,
+                                       clock=clock)
         record, reads = combined
         # The record this prompt's save pushed, byte for byte, needs no decoding; anything else is decoded to
         # tell why it does not fit.
@@ -271,11 +293,11 @@ class Transfers:
         return _leading(indexes, reads)
 
     def _take_inline(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
-                     transfer_id: str, hand_on: tuple[str, ...] = ()) -> Taken:
+                     transfer_id: str, hand_on: tuple[str, ...], clock: _RecordClock) -> Taken:
         """:meth:`take` of a small transfer: its record's pop, the chunk it carries checked (any other
         record, one carrying none from a prefill that judged otherwise say, is taken as
         :meth:`_take_stepwise` does)."""
-        record = self._pop_record(transfer_id, hand_on)
+        record = self._pop_record(transfer_id, hand_on, clock)
         expected = self._record(plan, transfer_id, inline=True)
         if isinstance(record, (bytes, bytearray)) and record.startswith(expected):
             # The record this save pushed, byte for byte: the chunk follows it.
@@ -288,17 +310,18 @@ class Transfers:
         if not indexes:
             return Taken(0)
         read = self.chunks.check(plan, 0, blob, page_format)
-        if read.pages is None:
+        if not read.ok:
             logger.warning("dropped the chunk a transfer record carried (%s)", read.cause)
         return _leading(indexes, [read])
 
     def _take_stepwise(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
-                       transfer_id: str | None, popped: Any = _NOT_POPPED, keep: bool = False) -> Taken:
+                       transfer_id: str | None, popped: Any = _NOT_POPPED, keep: bool = False,
+                       into: PagesPlace | None = None, clock: _RecordClock | None = None) -> Taken:
         """:meth:`take` a round trip at a time: the record (unless ``popped`` already), then (if it fits) the
         chunks, then the release."""
         held: tuple[str, ...] = ()
         if transfer_id is not None:
-            record = self._pop_record(transfer_id) if popped is _NOT_POPPED else popped
+            record = self._pop_record(transfer_id, (), clock) if popped is _NOT_POPPED else popped
             cause, checked = self._checked_record(plan, transfer_id, record)
             if cause != "hit":
                 return Taken(indexes.start if indexes else 0, cause=cause)
@@ -307,7 +330,7 @@ class Transfers:
                 return self._inline_taken(plan, indexes, page_format, checked.inline)
             held = checked.held
         try:
-            return self._read_leading(plan, indexes, page_format)
+            return self._read_leading(plan, indexes, page_format, into)
         finally:
             # Without a transfer the prompt's stored chunks are taken as an entry was, whole: those before
             # the ones read (the decode's prefix cache held them) go too.
@@ -316,13 +339,17 @@ class Transfers:
             if done:
                 self._release_quietly(done, transfer_id or NOBODY)
 
-    def _pop_record(self, transfer_id: str, hand_on: tuple[str, ...] = ()) -> Any:
+    def _pop_record(self, transfer_id: str, hand_on: tuple[str, ...] = (),
+                    clock: _RecordClock | None = None) -> Any:
         """The transfer's record, waiting up to the pop timeout: its bytes, ``None`` if none came, or the
         error of a key holding another type; handed on to the readers ``hand_on`` first."""
         try:
             record = self.store.pop_record(self.record_key(transfer_id), self.pop_timeout_s)
         except WrongTypeError as exc:
             return exc
+        finally:
+            if clock is not None:
+                clock.mark()
         if hand_on and record is not None:
             self._hand_on(record, transfer_id, hand_on)
         return record
@@ -372,8 +399,10 @@ class Transfers:
                                  parsed.holds)
         return "hit", parsed
 
-    def _read_leading(self, plan: ChunkPlan, indexes: range, page_format: PageFormat) -> Taken:
-        return _leading(indexes, self.chunks.read(plan, list(indexes), page_format, refresh_ttl=self.reuse))
+    def _read_leading(self, plan: ChunkPlan, indexes: range, page_format: PageFormat,
+                      into: PagesPlace | None = None) -> Taken:
+        return _leading(indexes, self.chunks.read(plan, list(indexes), page_format, refresh_ttl=self.reuse,
+                                                  into=into))
 
     # -- nobody will take it ----------------------------------------------------------------------------
 
@@ -388,11 +417,25 @@ class Transfers:
             logger.warning("could not release %d chunks (they expire with their TTL): %s", len(digests), exc)
 
 
+class _RecordClock:
+    """When a take started and when its transfer's record arrived (the pop's wait ended)."""
+
+    __slots__ = ("arrived", "started")
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.arrived: float | None = None
+
+    def mark(self) -> None:
+        if self.arrived is None:
+            self.arrived = time.perf_counter()
+
+
 def _leading(indexes: range, reads: list[ChunkRead]) -> Taken:
     """The chunks read, up to the first that could not be."""
     taken = Taken(indexes.start if indexes else 0)
     for read in reads:
-        if read.pages is None:
+        if not read.ok:
             taken.cause = read.cause
             break
         taken.chunks.append(read.pages)

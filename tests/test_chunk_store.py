@@ -21,11 +21,16 @@ FORMAT = PageFormat(torch.float16, layers=3, page_shape=(2, BLOCK, 32))  # 12 Ki
 PIECE = 4096  # KVREDIS_CHUNK_BYTES's least: a chunk's 24 KiB of pages are read in 7 pieces
 
 
-@pytest.fixture(params=["whole", "pieces"])
-def chunk_store(make_buffer: Callable[..., RedisLookupBuffer], request: pytest.FixtureRequest
-                ) -> Iterator[ChunkStore]:
-    """A chunk store whose chunks are read whole (one GET each) or in pieces (MULTI, STRLEN, GETRANGEs)."""
-    buffer = make_buffer(ttl_s=60, chunk_bytes=PIECE if request.param == "pieces" else 1 << 20)
+@pytest.fixture(params=["whole", "pieces", "two connections"])
+def chunk_store(make_buffer: Callable[..., RedisLookupBuffer], request: pytest.FixtureRequest,
+                monkeypatch: pytest.MonkeyPatch) -> Iterator[ChunkStore]:
+    """A chunk store whose chunks are read whole (one GET each), in pieces (pipelined GETRANGEs), or in
+    pieces over two connections at once (any read of two chunks or more)."""
+    pieces = request.param != "whole"
+    if request.param == "two connections":
+        monkeypatch.setattr(chunk_store_module, "_TWO_LANES_BYTES", 1)
+    buffer = make_buffer(ttl_s=60, chunk_bytes=PIECE if pieces else 1 << 20,
+                         inflight_bytes=2 * PIECE if pieces else 4 << 20)
     yield ChunkStore(buffer.store, buffer.keyspace.prefix, ttl_ms=60_000, block_size=BLOCK,
                      max_chunk_bytes=1 << 20)
 
@@ -322,6 +327,48 @@ def test_a_chunk_rewritten_while_it_is_read_in_pieces_reads_as_one_value(
         stop.set()
         thread.join()
     assert seen == {0, 1}  # the writer did change the value between reads
+
+
+@pytest.mark.parametrize("backend", ["real"])
+def test_a_chunk_rewritten_between_its_pieces_is_a_miss_never_mixed_bytes(
+        make_buffer: Callable[..., RedisLookupBuffer]) -> None:
+    # With checksums the pieces are plain pipelined GETRANGEs (no transaction: Redis would build its whole
+    # reply first). Two values' pieces fail the pages' checksum: a read is one value whole, or a miss.
+    buffer = make_buffer(ttl_s=60, chunk_bytes=PIECE, inflight_bytes=1)
+    store = ChunkStore(buffer.store, buffer.keyspace.prefix, ttl_ms=60_000, block_size=BLOCK,
+                       max_chunk_bytes=1 << 20)
+    plan = ChunkPlan.of(list(range(32)), CHUNK)
+    key = store.keys.chunk(plan.digests[0])
+    versions = [pages_of(plan, 0, seed) for seed in range(2)]
+    blobs = [store.encode(plan, 0, pages).to_bytes() for pages in versions]
+    writer = buffer.store.redis
+    writer.set(key, blobs[0])
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            for blob in blobs:
+                writer.set(key, blob, px=60_000)
+
+    thread = threading.Thread(target=rewrite)
+    thread.start()
+    causes: set[str] = set()
+    seen = set()
+    try:
+        for _ in range(300):
+            read = store.read(plan, [0], FORMAT)[0]
+            causes.add(read.cause)
+            if read.pages is None:
+                assert read.cause in ("corrupt", "absent"), read.cause  # mixed, or deleted as such
+                continue
+            matches = [i for i, pages in enumerate(versions) if torch.equal(read.pages, pages)]
+            assert len(matches) == 1, "a read returned two values' bytes"
+            seen.add(matches[0])
+    finally:
+        stop.set()
+        thread.join()
+    assert seen  # reads did succeed between rewrites
+    assert "corrupt" in causes or seen == {0, 1}  # the writer did change the value under the reader
 
 
 @pytest.mark.parametrize("backend", ["real"])

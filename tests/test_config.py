@@ -21,6 +21,7 @@ EXPECTED_DEFAULTS = {
     "chunk_bytes": 1 << 20,
     "chunk_tokens": 64,
     "inflight_bytes": 4 << 20,
+    "pinned_bytes": 256 << 20,
     "write_batch_bytes": 16 << 20,
     "max_entry_bytes": 8 << 30,
     "connect_timeout_s": 2.0,

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -181,7 +183,7 @@ def _load_in_thread(staging: DeviceStaging, writes: list, targets: torch.Tensor,
     def run() -> None:
         try:
             with staging.bound():
-                staging.load(writes, targets, after)  # type: ignore[arg-type]
+                staging.load([(layer, pages, targets) for layer, pages in writes], after)  # type: ignore[arg-type]
         except BaseException as exc:  # handed to the test
             outcome.append(exc)
         else:
@@ -264,3 +266,52 @@ def test_take_refuses_memory_it_cannot_receive_into(make_buffer) -> None:
     buffer.insert(tokens, None, key, value, hidden)
     with pytest.raises(TypeError, match="contiguous CPU uint8 tensor"):
         buffer.take(tokens, None, allocate=lambda nbytes: torch.empty(nbytes, dtype=torch.float32))
+
+
+# -- pinned memory loads receive into --------------------------------------------------------------
+
+
+def test_a_pinned_slot_is_never_leased_to_two_loads_at_once() -> None:
+    fake = FakeDevice()
+    staging = DeviceStaging(fake, pinned_bytes=4 << 10, slots=4)
+    leases = [staging.lease(1000) for _ in range(4)]
+    assert all(lease.pooled for lease in leases)
+    spans = sorted((lease.buffer.data_ptr(), lease.buffer.data_ptr() + 1000) for lease in leases)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # disjoint
+    extra = staging.lease(1000)  # every slot taken: memory of its own, pinned all the same
+    assert not extra.pooled and fake.is_pinned(extra.buffer)
+    assert not any(start <= extra.buffer.data_ptr() < end for start, end in spans)
+    leases[1].release()
+    leases[1].release()  # idempotent: the slot is not freed twice
+    again = staging.lease(1000)
+    assert again.pooled and again.buffer.data_ptr() == leases[1].buffer.data_ptr()
+    assert not staging.lease(2000).pooled  # larger than a slot
+    assert [shape for op, _, shape in fake.log if op == "pinned"].count((4 << 10,)) == 1  # the pool, once
+
+
+def test_concurrent_loads_each_hold_a_slot_of_their_own() -> None:
+    staging = DeviceStaging(FakeDevice(), pinned_bytes=2 << 10, slots=2)
+    held: set[int] = set()
+    lock = threading.Lock()
+    overlaps: list[int] = []
+
+    def load(rounds: int) -> None:
+        for _ in range(rounds):
+            lease = staging.lease(512)
+            if lease.pooled:
+                with lock:
+                    if lease.buffer.data_ptr() in held:
+                        overlaps.append(lease.buffer.data_ptr())
+                    held.add(lease.buffer.data_ptr())
+                time.sleep(0.001)
+                with lock:
+                    held.discard(lease.buffer.data_ptr())
+            lease.release()
+
+    threads = [threading.Thread(target=load, args=(50,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not overlaps and not held
+    assert sorted(staging._free_slots) == [0, 1]  # every slot back

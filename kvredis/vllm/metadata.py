@@ -32,6 +32,7 @@ class TransferSpec:
     computed: int = 0  # a save: positions computed before its last prefill step (a window's earlier blocks
     # may be freed by then)
     parts: int = 0  # a load: the number of KV head ranges the chunks were written in (0: this engine's)
+    known: int = 0  # a save (reuse): the prompt's first chunks Redis held at its lookup, not copied out
 
 
 @dataclass
@@ -55,11 +56,12 @@ def resume_end(prompt: int, step: int) -> int:
 
 
 def stored_blocks(series: Series, tokens: int, computed: int, chunk_tokens: int, block_size: int,
-                  step: int) -> range:
+                  step: int, known: int = 0) -> range:
     """The blocks (indexes into the request's block table) a save keeps of ``series``' layers, for a prompt
     of ``tokens`` tokens saved at the step that computed it from position ``computed`` on.
 
-    Full attention keeps every position but the last. A window keeps what a reader resuming at the last
+    Full attention keeps every position but the last, less the first ``known`` chunks (Redis holds them:
+    their pages are not copied out of the engine again). A window keeps what a reader resuming at the last
     resume position, or at the last chunk boundary (where a longer prompt's lookup finds the last full
     chunk: a conversation's next turn), attends to, but nothing before what the prefill still holds: vLLM
     frees a request's blocks as the window passes them (``remove_skipped_blocks``, from ``computed`` on), and
@@ -74,7 +76,8 @@ def stored_blocks(series: Series, tokens: int, computed: int, chunk_tokens: int,
             return range(0)
         return range(last - 1, last)
     if series.whole:
-        return range(-(-(tokens - 1) // block_size))
+        return range(min(known * chunk_tokens // block_size, -(-(tokens - 1) // block_size)),
+                     -(-(tokens - 1) // block_size))
     boundary = (tokens - 1) // chunk_tokens * chunk_tokens
     first = max(series.needed(boundary), series.needed(computed))
     return range(min(first // block_size, last), last)

@@ -58,6 +58,7 @@ class _Prefill:
     computed: int
     context: str
     entry_id: str | None
+    known: int = 0  # its first chunks Redis held at its lookup (reuse): not copied out again
 
 
 @dataclass
@@ -85,6 +86,7 @@ class _RequestState:
     lookup: Future[tuple[int, int] | None] | None = None  # a lookup Redis has not answered yet
     counted: bool = False  # its lookup is in the counters (vLLM may ask again while the request waits)
     parts: int = 0  # the KV head ranges its stored chunks were found in (another TP size's); 0: this engine's
+    stored: int = 0  # positions Redis held of it in this engine's own key space at its last lookup
 
 
 class KVRedisScheduler:
@@ -167,6 +169,7 @@ class KVRedisScheduler:
                 return 0, False  # the lookup failed or was skipped: nothing is stored, as far as we know
             assert isinstance(answer, tuple)
             stored, state.parts = answer
+            state.stored = stored if state.parts == self.endpoint.split.parts else 0
             # Found without an announcement: a prefix of the prompt, maybe all of it.
             found = min(loadable, stored)
             if not state.counted:
@@ -454,10 +457,12 @@ class KVRedisScheduler:
             # A shared prefix cache (reuse) keeps every prompt an engine prefills, for any later request.
             if state.remote_decode or self.config.store_all_prompts or self.config.reuse:
                 self._stored_any = True
+                # A shared prefix cache's save copies out only the chunks its lookup did not find in Redis.
+                known = state.stored // self.transfers.chunk_tokens if self.config.reuse else 0
                 self._prefills[new.req_id] = _Prefill(
                     token_list(new.prompt_token_ids), [list(ids) for ids in new.block_ids],
                     int(new.num_computed_tokens),
-                    state.context, new_entry_id() if state.remote_decode else None)
+                    state.context, new_entry_id() if state.remote_decode else None, known)
             elif not self._stored_any and not state.transfer_params:
                 # vLLM's offline flow (its LLM class, no proxy): no request asks for a remote decode, so
                 # nothing would ever reach Redis and the consumer would compute every prompt, unwarned.
@@ -503,7 +508,8 @@ class KVRedisScheduler:
             current = tables.get_block_ids(req_id) if tables is not None else None
             block_ids = [list(ids) for ids in current] if current else prefill.block_ids
             saves.append(TransferSpec(req_id, prefill.token_ids, block_ids, 0, len(prefill.token_ids),
-                                      prefill.context, prefill.entry_id, computed=prefill.computed))
+                                      prefill.context, prefill.entry_id, computed=prefill.computed,
+                                      known=prefill.known))
             self._saved[req_id] = prefill.entry_id
         return saves
 

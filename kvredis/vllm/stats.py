@@ -30,6 +30,8 @@ STATS = {
     "written_chunks": "KV chunks a prefill wrote to Redis",
     "present_chunks": "KV chunks a prefill did not write because Redis held them already",
     "written_bytes": "Bytes of KV pages a prefill wrote to Redis",
+    "copied_bytes": "Bytes of KV pages a prefill copied out of its KV cache to store (none of the chunks its "
+                    "lookup found in Redis)",
 }
 """The connector's counters, reported through vLLM's KV-connector stats: vLLM logs them ("KV Transfer
 metrics") and serves them on ``/metrics`` as ``vllm:kvredis_<name>_total``. Worker counts are summed over

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +45,8 @@ from kvredis.vllm.metadata import (
 )
 
 logger = logging.getLogger("kvredis.vllm")
+
+_LOAD_THREADS = 4
 
 SHUTDOWN_WAIT_S = 30.0
 """How long shutdown waits for saves in flight, and sleep for loads writing into the caches."""
@@ -81,16 +83,25 @@ class _CacheWrites:
     @contextmanager
     def writing(self) -> Iterator[None]:
         """Hold the gate open for one write; raises :class:`~kvredis.KVRedisError` while it is closed."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def enter(self) -> None:
+        """Begin a write (:meth:`writing` without a block: a receive in place begins when its first reply
+        arrives); raises :class:`~kvredis.KVRedisError` while the gate is closed."""
         with self._changed:
             if not self._open:
                 raise KVRedisError("the KV caches were released (vLLM sleep mode) before its pages arrived")
             self._writers += 1
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._writers -= 1
-                self._changed.notify_all()
+
+    def leave(self) -> None:
+        """End a write begun by :meth:`enter`."""
+        with self._changed:
+            self._writers -= 1
+            self._changed.notify_all()
 
     def close(self, timeout_s: float) -> bool:
         """Refuse new writes; wait for those in progress. ``False`` if some still run after the bound."""
@@ -117,13 +128,14 @@ class KVRedisWorker:
         self._block_size = endpoint.block_size
         self._layers: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, PagedLayout] = {}
+        self._page_views: dict[str, _PageViews] = {}  # CPU layers whose pages a read can land in directly
         self._layer_index: dict[str, int] = {}  # a layer's row in its series' chunks
         self._layer_series: dict[str, int] = {}
         self._gathered: dict[tuple[str, int], _Capture] = {}  # (request, series)
         self._staging: staging.DeviceStaging | None = None  # on a CUDA device; None: pages move directly
         # Loads may wait in a blocking pop for a transfer still being written; saves have their own threads
         # so that waiting loads never hold them up (kv_both), nor saves the loads.
-        self._load_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvredis-load")
+        self._load_pool = ThreadPoolExecutor(max_workers=_LOAD_THREADS, thread_name_prefix="kvredis-load")
         self._save_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvredis-save")
         self._saves_in_flight: set[Future[None]] = set()
         self._lock = threading.Lock()
@@ -151,7 +163,14 @@ class KVRedisWorker:
                 self._layer_index[name] = row
                 self._layer_series[name] = number
         device = staging.device_for(self._layers)
-        self._staging = staging.DeviceStaging(device) if device is not None else None
+        self._staging = (staging.DeviceStaging(device, self.config.pinned_bytes, slots=_LOAD_THREADS)
+                         if device is not None else None)
+        self._page_views = {}
+        if self._staging is None:
+            for name, tensor in self._layers.items():
+                views = _PageViews.of(tensor)
+                if views is not None:
+                    self._page_views[name] = views
 
     def start_load_kv(self, meta: KVRedisConnectorMetadata) -> None:
         """Start this step's loads on background threads; they finish through ``get_finished``."""
@@ -236,7 +255,7 @@ class KVRedisWorker:
     def _stored_range(self, spec: TransferSpec, number: int) -> range:
         """The blocks (indexes into the request's block table) a save stores of series ``number``."""
         return stored_blocks(self._series[number], len(spec.token_ids), spec.computed,
-                             self.transfers.chunk_tokens, self._block_size, self._step)
+                             self.transfers.chunk_tokens, self._block_size, self._step, spec.known)
 
     def _saved_blocks(self, spec: TransferSpec, number: int, group: int) -> list[int]:
         """The block ids of group ``group`` a save stores of series ``number``."""
@@ -322,17 +341,21 @@ class KVRedisWorker:
                 if copied is not None:
                     copied.wait()  # the step's copies into the pages ran (this thread waits, not the engine)
                 saved = Saved()
+                copied_out = 0
                 end = resume_end(len(spec.token_ids), self._step)
                 for number, (store, pages) in enumerate(zip(self.endpoint.stores, captured, strict=True)):
                     blocks = self._stored_range(spec, number)
-                    if not blocks:
+                    whole = self._series[number].whole
+                    known = spec.known if whole else 0
+                    if not blocks and not known:
                         continue
                     plan = series_plan(self._series[number], store, spec.token_ids, spec.context, blocks, end)
-                    part = store.save(plan, pages, transfer_id=spec.entry_id,
-                                      pages_per_block=pages.shape[1] // len(blocks))
+                    part = store.save(plan, pages, transfer_id=spec.entry_id, known=known,
+                                      pages_per_block=self._page_format(number).pages_per_block)
                     saved.written += part.written
                     saved.present += part.present
                     saved.nbytes += part.nbytes
+                    copied_out += pages.numel() * pages.element_size()
         except KVRedisError as exc:
             self.counts.add(save_failures=1)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
@@ -344,7 +367,7 @@ class KVRedisWorker:
         else:
             self.endpoint.metrics.stored(saved.nbytes, time.monotonic() - started)
             self.counts.add(saved_requests=1, saved_tokens=len(spec.token_ids), written_chunks=saved.written,
-                            present_chunks=saved.present, written_bytes=saved.nbytes)
+                            present_chunks=saved.present, written_bytes=saved.nbytes, copied_bytes=copied_out)
             self._report_late_save(spec, handed_at, started)
 
     def _report_late_save(self, spec: TransferSpec, handed_at: float, started: float) -> None:
@@ -431,12 +454,19 @@ class KVRedisWorker:
         first position it attends to) and from every writer's part of KV heads this rank holds heads of
         (:mod:`kvredis.vllm.heads`), and write their pages into its blocks; returns why not all of them
         (``None``: all), and the position up to which the blocks hold loaded KV (on a GPU, once the copies
-        ran: the request is reported finished only then)."""
+        ran: the request is reported finished only then). Where pages are received in place or into a
+        leased pinned buffer, the placement is let go once the load is over."""
+        with ExitStack() as held:
+            return self._load_series(spec, after, held)
+
+    def _load_series(self, spec: TransferSpec, after: staging.Event | None,
+                     held: ExitStack) -> tuple[str | None, int]:
         if not self._layers:
             return "no KV caches registered", spec.start
         started = time.perf_counter()
         causes: list[str] = []
         loaded_to, nbytes, late = spec.stop, 0, False
+        waited: float | None = None
         parts = spec.parts or self.endpoint.split.parts
         head_sources = sources(self.endpoint.split, self.endpoint.rank, parts)
         for number, series in enumerate(self._series):
@@ -454,19 +484,33 @@ class KVRedisWorker:
                     self.discards.submit(spec.req_id, transfer_id, store.prefix)
                     continue
                 # Without a transfer, chunks other ranks read too are left to them (and their TTL).
-                taken = store.take(plan, first, spec.stop, self._page_format(number, source.width),
-                                   transfer_id=transfer_id, hand_on=hand_on, keep=source.readers > 1)
+                page_format = self._page_format(number, source.width)
+                into: _BlockPlacement | _PinnedPlacement | None = None
+                if len(head_sources) == 1 and source.whole:
+                    into = self._placement(spec, number, plan, first, page_format)
+                    if into is not None:
+                        held.callback(into.done)  # after the pages were written (on a GPU, copied)
+                taken = store.take(plan, first, spec.stop, page_format, transfer_id=transfer_id,
+                                   hand_on=hand_on, keep=source.readers > 1, into=into)
                 takes.append((store, transfer_id, taken))
                 nbytes += taken.nbytes
+                if taken.waited is not None:
+                    waited = (waited or 0.0) + taken.waited
             if late:
                 continue
             # Every head of a chunk or none: the chunks every source holds, assembled into this rank's heads.
             count = min(len(taken.chunks) for _, _, taken in takes)
-            assembled = Taken(takes[0][2].first, [_heads_of(head_sources, [t.chunks[i] for _, _, t in takes])
-                                                  for i in range(count)])
+            if len(head_sources) == 1 and head_sources[0].whole:
+                assembled = takes[0][2]  # perhaps received in place
+            else:  # a slice of a part or several parts: never received in place
+                assembled = Taken(takes[0][2].first, [_heads_of(head_sources, [_held(t.chunks[i])
+                                                                               for _, _, t in takes])
+                                                      for i in range(count)])
             loaded = min(spec.stop, assembled.stop(plan)) if assembled.chunks else first
-            if assembled.chunks:
-                self._write_chunks(spec, number, plan, assembled.first, assembled.chunks, first, loaded,
+            for at, run in _runs(assembled.first, assembled.chunks):
+                # Chunks received in place are in their blocks already; the others are written now.
+                run_start, run_stop = plan.span(at)[0], plan.span(at + len(run) - 1)[1]
+                self._write_chunks(spec, number, plan, at, run, max(first, run_start), min(loaded, run_stop),
                                    after)
             missed = [(store, transfer_id, t.cause) for store, transfer_id, t in takes if t.cause != "hit"]
             for store, transfer_id, cause in missed:
@@ -476,7 +520,7 @@ class KVRedisWorker:
                 # A window's blocks are needed together: without all of them, none counts.
                 loaded_to = min(loaded_to, loaded if series.whole else spec.start)
         if nbytes:
-            self.endpoint.metrics.loaded(nbytes, time.perf_counter() - started)
+            self.endpoint.metrics.loaded(nbytes, time.perf_counter() - started, waited)
             self.counts.add(loaded_bytes=nbytes)
         return ("; ".join(causes), loaded_to) if causes else (None, spec.stop)
 
@@ -494,36 +538,85 @@ class KVRedisWorker:
                     f"{store.record_key(transfer_id)} (missing, expired or evicted)")
         return f"its chunks end at position {loaded} ({cause})"
 
+    def _placement(self, spec: TransferSpec, number: int, plan: ChunkPlan, start: int,
+                   page_format: PageFormat) -> _BlockPlacement | _PinnedPlacement | None:
+        """Where a read of series ``number``'s chunks for positions ``start..`` of the request lands their
+        pages: in its blocks (CPU caches), in a pinned buffer leased for the load (a GPU's), or ``None``."""
+        if self._staging is None:
+            return self._in_place(spec, number, plan, start, spec.stop)
+        store = self.endpoint.stores[number].chunks
+        indexes = plan.covering(start, spec.stop)
+        sizes = {index: store.pages_nbytes(plan, index, page_format) for index in indexes}
+        return _PinnedPlacement(self._staging.lease(sum(sizes.values())), sizes)
+
+    def _in_place(self, spec: TransferSpec, number: int, plan: ChunkPlan, start: int,
+                  stop: int) -> _BlockPlacement | None:
+        """Where a read lands the pages of series ``number``'s chunks straight in the request's blocks
+        holding positions ``start..stop-1`` (``None``: the caches' pages cannot take a read)."""
+        series = self._series[number]
+        views = [self._page_views.get(name) for name in series.layers]
+        if not views or any(view is None for view in views):
+            return None
+        tables = [spec.block_ids[group] for group in series.layer_groups]
+        blocks = block_span(self._block_size, start, stop)
+        for table in {id(table): table for table in tables}.values():
+            if _NULL_BLOCK in (table[block] for block in blocks):
+                raise KVRedisError(f"block {_NULL_BLOCK} (vLLM's null block) among the blocks to load")
+        per_block = self._page_format(number).pages_per_block
+        return _BlockPlacement(plan, self._block_size, blocks, per_block, self._series[number].kind == STATE,
+                               [(view, table) for view, table in zip(views, tables, strict=True)
+                                if view is not None], self._cache_writes)
+
     def _write_chunks(self, spec: TransferSpec, number: int, plan: ChunkPlan, first: int,
                       chunks: list[torch.Tensor], start: int, loaded: int,
                       after: staging.Event | None) -> None:
         """Write series ``number``'s pages of the blocks holding positions ``start..loaded-1`` into the
-        request's blocks (each layer's group's), from ``chunks`` (the plan's chunk ``first`` on). Blocks
-        before ``spec.start`` are the local prefix cache's, shared with other requests: never written."""
+        request's blocks (each layer's group's), from ``chunks`` (the plan's chunk ``first`` on), a chunk at a
+        time (no copy of them joined). Blocks before ``spec.start`` are the local prefix cache's, shared with
+        other requests: never written."""
         series = self._series[number]
         names = series.layers
         layout = self._layouts[names[0]]
-        blocks = list(block_span(self._block_size, start, loaded))
-        offset = (plan.first + first) * (plan.chunk_tokens // self._block_size)  # the first chunk's block
-        stored = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
-        sources = self._pages(number, layout, [block - offset for block in blocks])
+        copies: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # a device's, queued together
         with self._cache_writes.writing():  # held until the copies ran: vLLM may release the caches after
-            for group in series.groups:
-                ids = [spec.block_ids[group][block] for block in blocks]
-                if _NULL_BLOCK in ids:
-                    raise KVRedisError(f"block {_NULL_BLOCK} (vLLM's null block) among the blocks to load")
-                targets = self._pages(number, layout, ids)
-                rows = [row for row, owner in enumerate(series.layer_groups) if owner == group]
-                if self._staging is None:
-                    for row in rows:
-                        name = names[row]
-                        self._layouts[name].scatter(self._layers[name], targets, stored[row, sources])
+            for index, stored in enumerate(chunks, start=first):
+                chunk_start, chunk_stop = plan.span(index)
+                blocks = list(block_span(self._block_size, max(start, chunk_start), min(loaded, chunk_stop)))
+                if not blocks:
                     continue
-                # One contiguous pinned range a layer, copied to the device without a pageable intermediate.
-                pinned = self._staging.host_empty((len(rows), len(sources), *layout.page_shape), stored.dtype)
-                pinned.copy_(stored[rows][:, sources])
-                self._staging.load([(self._layers[names[row]], pinned[i]) for i, row in enumerate(rows)],
-                                   targets, after)
+                offset = chunk_start // self._block_size  # the chunk's first block
+                sources = self._pages(number, layout, [block - offset for block in blocks])
+                for group in series.groups:
+                    ids = [spec.block_ids[group][block] for block in blocks]
+                    if _NULL_BLOCK in ids:
+                        raise KVRedisError(f"block {_NULL_BLOCK} (vLLM's null block) among the blocks to "
+                                           "load")
+                    targets = self._pages(number, layout, ids)
+                    rows = [row for row, owner in enumerate(series.layer_groups) if owner == group]
+                    if self._staging is None:
+                        for row in rows:
+                            name = names[row]
+                            self._layouts[name].scatter(self._layers[name], targets, stored[row, sources])
+                        continue
+                    pinned = self._pinned_pages(stored, rows, sources)
+                    copies += [(self._layers[names[row]], pages, targets)
+                               for row, pages in zip(rows, pinned, strict=True)]
+            if copies:
+                assert self._staging is not None
+                self._staging.load(copies, after)
+
+    def _pinned_pages(self, stored: torch.Tensor, rows: list[int],
+                      sources: torch.Tensor) -> list[torch.Tensor]:
+        """Each row's ``sources`` pages of a chunk, in pinned memory for a copy to the device: views of the
+        chunk where it was received into the pinned buffers and the pages lie side by side, else a copy."""
+        assert self._staging is not None
+        first, count = int(sources[0]), len(sources)
+        if self._staging.pinned(stored) and int(sources[-1]) - first + 1 == count:
+            return [stored[row].narrow(0, first, count) for row in rows]
+        # One contiguous pinned range a layer, copied to the device without a pageable intermediate.
+        pinned = self._staging.host_empty((len(rows), count, *stored.shape[2:]), stored.dtype)
+        pinned.copy_(stored[rows][:, sources])
+        return list(pinned)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Loads finished since the last call (failed ones once their blocks were reported)."""
@@ -581,3 +674,130 @@ def _heads_of(head_sources: list[Source], chunks: list[torch.Tensor]) -> torch.T
         source = head_sources[0]
         return chunks[0] if source.whole else chunks[0].narrow(2, source.first, source.count)
     return torch.cat(chunks, dim=2)
+
+
+def _held(chunk: torch.Tensor | None) -> torch.Tensor:
+    """A chunk's pages as read into memory of the read's own (a take given no placement has them all)."""
+    if chunk is None:
+        raise KVRedisError("a chunk was received in place where its pages were to be assembled")
+    return chunk
+
+
+def _runs(first: int, chunks: list[torch.Tensor | None]) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """The runs of chunks still to be written (not received in place), each with its first chunk's index."""
+    run: list[torch.Tensor] = []
+    for offset, chunk in enumerate([*chunks, None]):
+        if chunk is not None:
+            run.append(chunk)
+        elif run:
+            yield first + offset - len(run), run
+            run = []
+
+
+@dataclass(frozen=True)
+class _PageViews:
+    """A CPU layer's pages as byte ranges of its memory: page ``k`` is ``flat[k * stride:][:nbytes]``."""
+
+    flat: memoryview
+    stride: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, layer: torch.Tensor) -> _PageViews | None:
+        """The views of ``layer``'s pages (``[pages, ...]``), or ``None`` where a page is not one range of
+        host memory."""
+        if layer.device.type != "cpu" or layer.dim() < 2 or not layer[0].is_contiguous() or not layer.numel():
+            return None
+        raw = layer.view(torch.uint8) if layer.element_size() != 1 else layer
+        stride = raw.stride(0)
+        nbytes = raw[0].numel()
+        if stride < nbytes:
+            return None
+        span = torch.as_strided(raw, ((raw.shape[0] - 1) * stride + nbytes,), (1,), raw.storage_offset())
+        return cls(span.numpy().data.cast("B"), stride, nbytes)
+
+
+class _PinnedPlacement:
+    """A load's :data:`~kvredis.chunk_store.PagesPlace` on a GPU: each chunk's pages in its own range of a
+    pinned buffer leased for the load (the read returns them as tensors there, which the device copies
+    from); :meth:`done` hands the buffer back once those copies ran."""
+
+    in_place = False
+
+    def __init__(self, lease: staging.PinnedLease, sizes: dict[int, int]) -> None:
+        self._lease = lease
+        self._ranges: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for index, nbytes in sizes.items():
+            self._ranges[index] = (offset, nbytes)
+            offset += nbytes
+        self._bytes = lease.buffer.numpy().data.cast("B")
+
+    def __call__(self, index: int) -> list[memoryview] | None:
+        where = self._ranges.get(index)
+        if where is None:
+            return None
+        offset, nbytes = where
+        return [self._bytes[offset:offset + nbytes]]
+
+    def done(self) -> None:
+        self._lease.release()
+
+
+class _BlockPlacement:
+    """A load's :data:`~kvredis.chunk_store.PagesPlace`: each chunk's pages land in the request's blocks
+    (every layer's, in the chunk's ``[layers, pages, ...]`` order), those of blocks the load does not write
+    (the local prefix cache's, shared with other requests) in scratch memory of their own, so that the
+    chunk's checksum still covers every byte. The first placement holds the caches' write gate until
+    :meth:`done`: vLLM may not release the caches while bytes land in them."""
+
+    in_place = True
+
+    def __init__(self, plan: ChunkPlan, block_size: int, blocks: range, per_block: int, state: bool,
+                 layers: list[tuple[_PageViews, list[int]]], gate: _CacheWrites) -> None:
+        self._plan = plan
+        self._block_size = block_size
+        self._blocks = blocks
+        self._per_block = per_block
+        self._state = state
+        self._layers = layers
+        self._gate = gate
+        self._held = False
+        self._lock = threading.Lock()  # a large read places chunks from two connections' threads
+
+    def __call__(self, index: int) -> list[memoryview]:
+        with self._lock:
+            if not self._held:
+                self._gate.enter()
+                self._held = True
+        start, stop = self._plan.span(index)
+        chunk_blocks = range(start // self._block_size, -(-stop // self._block_size))
+        out: list[memoryview] = []
+        for views, table in self._layers:
+            run_start = run_stop = -1  # pages side by side in the layer's memory are one range
+            for block in chunk_blocks:
+                if block not in self._blocks:
+                    if run_start >= 0:
+                        out.append(views.flat[run_start:run_stop])
+                        run_start = -1
+                    out.append(memoryview(bytearray(views.nbytes * self._per_block)))
+                    continue
+                first = table[block] if self._state else table[block] * self._per_block
+                for page in range(first, first + self._per_block):
+                    at = page * views.stride
+                    if at == run_stop and views.stride == views.nbytes:
+                        run_stop = at + views.nbytes
+                        continue
+                    if run_start >= 0:
+                        out.append(views.flat[run_start:run_stop])
+                    run_start, run_stop = at, at + views.nbytes
+            if run_start >= 0:
+                out.append(views.flat[run_start:run_stop])
+        return out
+
+    def done(self) -> None:
+        """The read is over: release the write gate if a placement took it."""
+        with self._lock:
+            if self._held:
+                self._held = False
+                self._gate.leave()

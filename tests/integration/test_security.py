@@ -381,7 +381,7 @@ def test_a_user_lacking_any_command_of_the_rule_fails_clearly(acl_server, namesp
 
 
 CHUNK_COMMANDS = ("exists", "evalsha", "script|load", "set", "sadd", "srem", "scard", "pexpire", "get", "del",
-                  "strlen", "getrange", "getex", "rpush", "multi", "exec", "blpop", "hincrby")
+                  "getrange", "getex", "rpush", "multi", "exec", "blpop", "hincrby")
 """The commands the vLLM connector's chunk store sends, its scripts' included (ACL checks those too);
 README's rule for connector users lists exactly these."""
 
@@ -389,9 +389,11 @@ README's rule for connector users lists exactly these."""
 def transfer_round_trip(url: str, namespace: str, admin: Any) -> None:
     """A transfer saved, taken and released; another saved and discarded; a small one (in its record) saved
     and taken: nothing left. Then in reuse mode a prompt saved, taken and left for any reader."""
-    # Pieces of 4 KiB: chunks of 16 KiB are read in pieces (STRLEN, GETRANGE), chunks of 1 KiB with one GET.
+    # Pieces of 4 KiB, 4 KiB in flight: chunks of 16 KiB are read in pieces (GETRANGE), chunks of 1 KiB with
+    # one GET.
     config = KVRedisConfig.from_env({}, {"url": url, "namespace": namespace, "pop_timeout_s": 1.0,
-                                         "socket_timeout_s": 2.0, "chunk_bytes": 4096})
+                                         "socket_timeout_s": 2.0, "chunk_bytes": 4096,
+                                         "inflight_bytes": 4096})
     store = RedisStore(config)
     try:
         transfers = Transfers(store, f"{namespace}:0123456789abcdef", chunk_tokens=16, block_size=16,

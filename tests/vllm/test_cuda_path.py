@@ -92,8 +92,13 @@ def test_a_prompt_moves_through_the_gpu_path_bit_identical(make_gpu_engine, leng
     assert consumer.new_reqs["c"].num_computed_tokens == length - 1
     assert_pages_moved(producer, consumer, "c", "p", 0, -(-(length - 1) // BLOCK_SIZE))
     _, load_stream = streams(consumer)
-    assert len(on_consumer.events_on(load_stream)) == 1
-    assert len(on_consumer.ops("scatter")) == len(LAYERS)
+    assert len(on_consumer.events_on(load_stream)) == 1  # one event for the load's copies
+    # Each chunk's pages go to the device from where they were received (the leased pinned slot): a copy a
+    # layer and chunk, none through a host copy.
+    chunks = -(-(length - 1) // consumer.worker.endpoint.transfers.chunk_tokens)
+    assert len(on_consumer.ops("scatter")) == len(LAYERS) * chunks
+    slot = consumer.worker.worker._staging._slot_bytes
+    assert [shape for op, _, shape in on_consumer.log if op == "pinned"] == [(4 * slot,)]  # the pool, once
     consumer.finish("c")
     assert_nothing_left(producer, consumer)
     assert producer.stats["saved_requests"] == 1 and consumer.stats["loaded_requests"] == 1

@@ -62,6 +62,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvredis import codec
 from kvredis.announcement import TRANSFER_PARAM
+from kvredis.chunk_keys import ChunkPlan
 from kvredis.keys import new_entry_id
 from kvredis.tally import read_tally
 from kvredis.transfer import record_digests
@@ -530,14 +531,14 @@ def test_prompts_sharing_a_prefix_in_flight_at_once_both_load(make_engine) -> No
 # -- failures ---------------------------------------------------------------------------------------
 
 
-def _corrupt_chunk(url: str, namespace: str) -> None:
-    """Flip one payload byte of the first chunk of the only transfer: its checksum no longer matches."""
+def _corrupt_chunk(url: str, namespace: str, index: int = 0) -> None:
+    """Flip one payload byte of chunk ``index`` of the only transfer: its checksum no longer matches."""
     client = redis.Redis.from_url(url)
     try:
         (record,) = client.scan_iter(match=f"{namespace}:*:t:*")
         prefix, braced = record.decode().rsplit(":t:", 1)
-        first = record_digests(client.lindex(record, 0), braced.strip("{}"), prefix)[0]
-        key = prefix + ":c:{" + first + "}"
+        digest = record_digests(client.lindex(record, 0), braced.strip("{}"), prefix)[index]
+        key = prefix + ":c:{" + digest + "}"
         chunk = bytearray(client.get(key))
         header = codec.read_header(bytes(chunk), max_payload_bytes=1 << 30)
         chunk[header.payload_offset + header.payload_nbytes - 5] ^= 0x40
@@ -585,6 +586,64 @@ def test_a_failed_load_reports_its_blocks_and_the_request_is_recomputed(
     warnings = [r.getMessage() for r in caplog.records if r.name == "kvredis.vllm"]
     assert len(warnings) == 1 and "request c" in warnings[0], warnings
     assert_nothing_left(producer, consumer)
+
+
+def test_a_chunk_received_in_place_that_fails_its_checksum_leaves_its_blocks_to_be_recomputed(
+    make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages land straight in the request's blocks (the CPU caches); a chunk whose checksum fails there is a
+    miss: its blocks and every later one are reported failed and recomputed, the earlier chunk's stay."""
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=5)
+    prompt = prompt_of(200, seed=9)  # chunks of 64: positions 0..63, 64..127, 128..191, 192..198
+    params = producer.produce("p", prompt)
+    _corrupt_chunk(consumer.redis_url, consumer.namespace, index=1)
+    placed: list[int] = []
+    place = worker_module._BlockPlacement.__call__
+
+    def counted(self: Any, index: int) -> Any:
+        placed.append(index)
+        return place(self, index)
+
+    monkeypatch.setattr(worker_module._BlockPlacement, "__call__", counted)
+    consumer.add("c", prompt, max_tokens=2, params=params)
+    consumer.run(lambda: "c" in consumer.new_reqs)
+    blocks = consumer.block_ids("c")
+    assert_pages_moved(producer, consumer, "c", "p", 0, 64 // BLOCK_SIZE)
+    consumer.finish("c")
+    assert placed == [0, 1, 2, 3]  # every chunk was received into the blocks
+    assert consumer.invalid_blocks == [set(blocks[64 // BLOCK_SIZE:])]  # from the damaged chunk on
+    assert consumer.new_reqs["c"].num_computed_tokens == 64  # the first chunk loaded ...
+    assert sum(consumer.scheduled["c"][:-1]) == 200 - 64  # ... the rest computed
+    assert consumer.stats["load_failures"] == 1 and consumer.stats["failed_tokens"] == 199 - 64
+    assert_nothing_left(producer, consumer)
+
+
+def test_a_placement_lands_each_page_in_its_block_and_pages_side_by_side_in_one_range() -> None:
+    """Where a chunk's pages are received: each loaded block's page of each layer, pages adjacent in memory
+    as one range, a block the load must not write (the local prefix cache's) in scratch memory."""
+    layers = [torch.zeros(10, 2, 4) for _ in range(2)]  # 10 pages of 32 bytes a layer
+    views = [worker_module._PageViews.of(layer) for layer in layers]
+    assert all(view is not None for view in views)
+    plan = ChunkPlan.of(list(range(200)), 64)  # blocks of 32: chunk 1 is blocks 2-3, chunk 2 blocks 4-5
+    table = [0, 8, 7, 4, 5, 6, 2]  # block -> page
+    gate = worker_module._CacheWrites()
+    placement = worker_module._BlockPlacement(plan, 32, range(3, 7), 1, False,
+                                              [(view, table) for view in views if view is not None], gate)
+    first = placement(1)
+    assert [part.nbytes for part in first] == [32, 32, 32, 32]  # per layer: block 2 scratch, block 3 page 4
+    second = placement(2)
+    assert [part.nbytes for part in second] == [64, 64]  # per layer: pages 5 and 6, side by side
+    assert gate._writers == 1  # held from the first placement ...
+    for number, part in enumerate([*first, *second]):
+        part[:] = bytes([number + 1]) * part.nbytes
+    placement.done()
+    assert gate._writers == 0  # ... until the load is over
+    for row, layer in enumerate(layers):
+        as_bytes = layer.view(torch.uint8).reshape(10, -1)
+        assert (as_bytes[4] == 2 * row + 2).all()  # block 3
+        assert (as_bytes[5] == 5 + row).all() and (as_bytes[6] == 5 + row).all()  # blocks 4, 5
+        untouched = [page for page in range(10) if page not in (4, 5, 6)]
+        assert (as_bytes[untouched] == 0).all()  # block 2's page 7 too: the prefix cache's, not written
 
 
 @pytest.mark.parametrize("outcome", ["entry-arrives", "load-fails"])
@@ -1218,6 +1277,8 @@ def test_no_exception_escapes_a_load_without_its_blocks_reported(make_engine, mo
     def broken(*args: Any) -> None:
         raise IndexError("block table shorter than the span")
 
+    # Both ways pages reach blocks: received in place (the CPU caches here) and written after the read.
+    monkeypatch.setattr(consumer.worker.worker, "_in_place", broken)
     monkeypatch.setattr(consumer.worker.worker, "_write_chunks", broken)
     consumer.add("c", prompt, max_tokens=1, params=params)
     consumer.finish("c")
@@ -1259,6 +1320,10 @@ def test_in_reuse_mode_another_prefill_loads_the_stored_prefix_and_writes_only_t
     assert second.stats["loaded_tokens"] == stored and second.stats["found_tokens"] == stored
     assert second.stats["lookup_tokens"] == len(prompt) - 1
     assert (second.stats["present_chunks"], second.stats["written_chunks"]) == (4, 3)  # 256..418 new
+    # Copied out of the second prefill's caches: the pages of the chunks its lookup did not find, no more.
+    page = sum(second.layers[name][0].numel() * second.layers[name].element_size() for name in LAYERS)
+    assert first.stats["copied_bytes"] == -(-(len(shared) - 1) // BLOCK_SIZE) * page
+    assert second.stats["copied_bytes"] == (-(-(len(prompt) - 1) // BLOCK_SIZE) - stored // BLOCK_SIZE) * page
     decode.add("c", prompt, params=params)
     decode.run(lambda: "c" in decode.new_reqs)
     assert decode.new_reqs["c"].num_computed_tokens == len(prompt) - 1
@@ -1276,6 +1341,70 @@ def test_in_reuse_mode_another_prefill_loads_the_stored_prefix_and_writes_only_t
     assert (tally["lookup_tokens"], tally["found_tokens"]) == (looked_up, stored)
     keys = redis_keys(decode.redis_url, decode.namespace)
     assert len(keys) == 5 + 3 and all(b":c:" in key and not key.endswith(b":h") for key in keys), keys
+
+
+def test_in_reuse_mode_a_prompt_redis_holds_whole_is_copied_out_of_no_cache(make_engine) -> None:
+    """A prompt another prefill stored whole is loaded, not copied out of the second prefill again (no page
+    of it), and its transfer to a decode still goes through (the record names every chunk)."""
+    first, second = make_engine("kv_producer", reuse=True), make_engine("kv_producer", reuse=True)
+    decode = make_engine("kv_consumer", reuse=True)
+    prompt = prompt_of(257, seed=98)  # positions 0..255: four whole chunks
+    first.add("a", prompt, max_tokens=1)
+    first.finish("a")
+    first.wait_saved()
+    first.assert_empty()
+    params = second.produce("b", prompt)
+    second.wait_saved()
+    assert second.new_reqs["b"].num_computed_tokens == len(prompt) - 1
+    assert second.stats["copied_bytes"] == 0 and second.stats["written_chunks"] == 0
+    assert second.stats["present_chunks"] == 4
+    decode.add("c", prompt, params=params)
+    decode.run(lambda: "c" in decode.new_reqs)
+    assert decode.new_reqs["c"].num_computed_tokens == len(prompt) - 1
+    assert_pages_moved(first, decode, "c", "a", 0, (len(prompt) - 1) // BLOCK_SIZE)
+    decode.finish("c")
+    decode.assert_empty()
+
+
+def test_in_reuse_mode_a_chunk_gone_since_the_lookup_is_not_written_from_nothing(make_engine) -> None:
+    """A chunk the lookup found but Redis lost before the save (evicted): the save writes the chunks it
+    copied, never the lost one from pages it does not have; the next prefill of the prefix writes it."""
+    first, second = make_engine("kv_producer", reuse=True), make_engine("kv_producer", reuse=True)
+    shared = prompt_of(129, seed=99)  # two whole chunks
+    first.add("a", shared, max_tokens=1)
+    first.finish("a")
+    first.wait_saved()
+    first.assert_empty()
+    prompt = shared + prompt_of(100, seed=100)
+    store = second.connector.scheduler.transfers
+    plan = store.plan(prompt[:-1])
+    lost = store.chunks.keys.chunk(plan.digests[1])
+    scheduler = second.connector.scheduler
+    original = scheduler._completed_prefills
+
+    evicted: list[int] = []
+
+    def evict_then_complete(output: Any) -> Any:  # once, between the lookup and the save
+        if not evicted:
+            client = redis.Redis.from_url(second.redis_url)
+            evicted.append(client.delete(lost))
+            client.close()
+        return original(output)
+
+    scheduler._completed_prefills = evict_then_complete
+    second.add("b", prompt, max_tokens=1)
+    second.finish("b")
+    second.wait_saved()
+    second.assert_empty()
+    assert evicted == [1] and second.stats["found_tokens"] == 128
+    assert second.stats["written_chunks"] == 2 and second.stats["present_chunks"] == 2  # chunk 1 not there
+    keys = redis_keys(second.redis_url, second.namespace)
+    assert lost.encode() not in keys
+    scheduler._completed_prefills = original
+    first.add("a2", prompt, max_tokens=1)  # its lookup finds chunk 0 only: it computes and writes chunk 1
+    first.finish("a2")
+    first.wait_saved()
+    assert lost.encode() in redis_keys(first.redis_url, first.namespace)
 
 
 def test_in_reuse_mode_a_salted_request_finds_nothing_of_another_tenant(make_engine) -> None:

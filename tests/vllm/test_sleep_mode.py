@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvredis.paged import PagedLayout
 from kvredis.vllm import KVRedisConnector
+from kvredis.vllm import worker as worker_module
 
 make_engine = test_scheduler.make_engine  # the harness's fixtures
 next_entry_id = test_scheduler.next_entry_id
@@ -85,20 +86,32 @@ def test_a_load_waiting_for_its_entry_during_sleep_writes_nothing(make_engine, n
     assert_nothing_left(producer, consumer)
 
 
-def test_sleep_waits_for_a_load_copying_its_pages(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``unregister_kv_caches`` returns only once a load already copying pages into the caches is done."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["received-in-place", "written-after-the-read"])
+def test_sleep_waits_for_a_load_copying_its_pages(make_engine, monkeypatch: pytest.MonkeyPatch,
+                                                  in_place: bool) -> None:
+    """``unregister_kv_caches`` returns only once a load already copying pages into the caches is done:
+    one receiving a chunk straight into the blocks (the CPU caches' way), or writing pages it read."""
     producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer")
     prompt = prompt_of(90, seed=72)
     params = producer.produce("p", prompt)
     copying, release = threading.Event(), threading.Event()
-    scatter = PagedLayout.scatter
 
-    def slow_scatter(self: PagedLayout, *args: Any) -> None:
-        copying.set()
-        assert release.wait(STEP_TIMEOUT_S * 3), "the test never let the copy go on"
-        scatter(self, *args)
+    def paused(original: Any) -> Any:
+        def slow(self: Any, *args: Any) -> Any:
+            result = original(self, *args)  # in place: the write gate is held from here on
+            copying.set()
+            assert release.wait(STEP_TIMEOUT_S * 3), "the test never let the copy go on"
+            return result
+        return slow
 
-    monkeypatch.setattr(PagedLayout, "scatter", slow_scatter)
+    if in_place:
+        target: Any = worker_module._BlockPlacement
+        name = "__call__"
+    else:
+        target, name = PagedLayout, "scatter"
+        monkeypatch.setattr(consumer.worker.worker, "_page_views", {})  # no layer takes a read in place
+    original = getattr(target, name)
+    monkeypatch.setattr(target, name, paused(original))
     consumer.add("c", prompt, max_tokens=2, params=params)
     consumer.step()
     assert copying.wait(STEP_TIMEOUT_S), "the load did not start copying"
@@ -110,7 +123,7 @@ def test_sleep_waits_for_a_load_copying_its_pages(make_engine, monkeypatch: pyte
     asleep.join(STEP_TIMEOUT_S)
     assert not asleep.is_alive()
     consumer.worker.restore_kv_caches()
-    monkeypatch.setattr(PagedLayout, "scatter", scatter)
+    monkeypatch.setattr(target, name, original)
     consumer.run(lambda: "c" in consumer.new_reqs)
     assert consumer.new_reqs["c"].num_computed_tokens == 89  # it finished before the caches went
     assert_pages_moved(producer, consumer, "c", "p", 0, 3)
