@@ -12,17 +12,30 @@ test VM). Pages have a Llama-3-8B shape (32 layers, 8 KV heads of 128, bf16: 128
     python scripts/bench_chunks.py                      # a redis-server of its own on a free port
     python scripts/bench_chunks.py --url redis://127.0.0.1:6379/0 --chunk-tokens 64
     python scripts/bench_chunks.py --only chunks --sizes "128 MiB"   # one path alone (alternate processes)
+    python scripts/bench_chunks.py --peer              # kvredis against LMCache's native client, same run
+
+``--peer`` measures the read path an engine uses and the best peer's client on the same Redis and bytes, in
+the same run: 128 MiB of those pages written by ``Transfers.save`` and read by ``Transfers.take`` straight
+into a preallocated pages tensor (as into an engine's KV blocks; every check of every chunk included), against
+LMCache's C++ RESP client (``lmcache.lmcache_redis``, run by ``scripts/lmcache_peer.py`` in the environment
+``scripts/install_lmcache_peer.sh`` makes: not a dependency of kvredis) at each of its value sizes and worker
+counts, SET all then GET all into preallocated buffers; and ``redis-benchmark``'s single-connection GET of
+1 MiB and 4 MiB values. Ratios: kvredis over the peer's best read and best round trip.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -37,6 +50,7 @@ from kvredis.keys import new_entry_id  # noqa: E402
 from kvredis.transfer import Transfers  # noqa: E402
 
 BLOCK = 16
+PEER_PYTHON = Path.home() / ".cache" / "kvredis" / "lmcache-venv" / "bin" / "python"
 
 
 def sizes() -> dict[str, tuple[int, PageFormat]]:
@@ -57,9 +71,105 @@ def main() -> int:
                         help="measure one path alone (the paths interact within one process)")
     parser.add_argument("--sizes", default=",".join(sizes()),
                         help="comma-separated, of: " + ", ".join(sizes()))
+    parser.add_argument("--peer", action="store_true",
+                        help="kvredis's engine read path against LMCache's native client (see above)")
+    parser.add_argument("--peer-python", type=Path, default=PEER_PYTHON,
+                        help="the Python of the environment holding lmcache")
+    parser.add_argument("--peer-sizes", default="4MiB,8MiB,32MiB")
+    parser.add_argument("--peer-workers", default="1,2,4")
     args = parser.parse_args()
     with own_redis(args.url) as url:
-        return measure(url, args)
+        return against_peer(url, args) if args.peer else measure(url, args)
+
+
+def against_peer(url: str, args: argparse.Namespace) -> int:
+    """kvredis's save and in-place take of 128 MiB against LMCache's client and redis-benchmark, one run."""
+    if not args.peer_python.exists():
+        print(f"no {args.peer_python}: run scripts/install_lmcache_peer.sh first", file=sys.stderr)
+        return 2
+    tokens, page_format = sizes()["128 MiB"]
+    config = KVRedisConfig.from_env(None, {"url": url, "namespace": "bench-chunks", "pop_timeout_s": 30})
+    buffer = RedisLookupBuffer(config)
+    chunk_tokens = max(args.chunk_tokens // BLOCK, 1) * BLOCK
+    transfers = Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=chunk_tokens, block_size=BLOCK,
+                          ttl_ms=600_000, pop_timeout_s=30, max_chunk_bytes=1 << 31)
+    prompt = list(range(tokens))
+    pages = torch.randn(page_format.shape(tokens // BLOCK), generator=torch.Generator().manual_seed(0)
+                        ).to(page_format.dtype)
+    out = torch.empty_like(pages)
+    per_chunk = chunk_tokens // BLOCK
+
+    page_bytes = out[0, 0].numel() * out.element_size()
+    layers = [out[layer].view(torch.uint8).reshape(-1).numpy().data for layer in range(page_format.layers)]
+
+    class IntoPages:  # as the connector lands a chunk in an engine's blocks: a range of memory for each
+        in_place = True  # run of pages side by side (here a layer's pages of the chunk)
+
+        def __call__(self, index: int) -> list[memoryview]:
+            first = index * per_chunk * page_bytes
+            return [layer[first:first + per_chunk * page_bytes] for layer in layers]
+
+    into = IntoPages()
+
+    total = pages.numel() * pages.element_size()
+    halves: list[tuple[float, float]] = []
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, load average "
+              f"{load}, {os.cpu_count()} CPUs; {total >> 20} MiB of pages ({page_format.layers} layers, "
+              f"pages {page_format.page_shape} {page_format.dtype}), median of {args.repeat}")
+        for _ in range(args.repeat + 1):  # the first round trip warms up
+            out.zero_()
+            plan = transfers.plan(prompt)
+            transfer = new_entry_id()
+            started = time.perf_counter()
+            transfers.save(plan, pages, transfer_id=transfer)
+            written = time.perf_counter()
+            taken = transfers.take(plan, 0, tokens, page_format, transfer_id=transfer, into=into)
+            halves.append((written - started, time.perf_counter() - written))
+            assert taken.cause == "hit" and all(chunk is None for chunk in taken.chunks), taken.cause
+            assert torch.equal(out.view(torch.int16), pages.view(torch.int16)), "other bytes read"
+    finally:
+        buffer.close()
+    write, read = (statistics.median(half) for half in zip(*halves[1:], strict=True))
+    ours = {"read": total / read / 1e9, "round trip": total / (write + read) / 1e9}
+    peer = json.loads(subprocess.run(
+        [str(args.peer_python), str(REPO / "scripts" / "lmcache_peer.py"), "--url", url, "--total",
+         str(total), "--sizes", args.peer_sizes, "--workers", args.peer_workers,
+         "--repeat", str(args.repeat)],
+        capture_output=True, text=True, check=True, timeout=900).stdout.strip().splitlines()[-1])
+    print(f"  kvredis (chunks of {chunk_tokens} tokens = {total // (tokens // chunk_tokens) >> 20} MiB, read "
+          f"into place): write {1000 * write:.1f} ms, read {1000 * read:.1f} ms = {ours['read']:.2f} GB/s, "
+          f"round trip {ours['round trip']:.2f} GB/s")
+    for result in peer["results"]:
+        print(f"  LMCache native, {result['size'] >> 20} MiB values, {result['workers']} workers: write "
+              f"{1000 * result['write_s']:.1f} ms, read {1000 * result['read_s']:.1f} ms = "
+              f"{result['read_gbps']:.2f} GB/s, round trip {result['round_trip_gbps']:.2f} GB/s")
+    best = {"read": max(r["read_gbps"] for r in peer["results"]),
+            "round trip": max(r["round_trip_gbps"] for r in peer["results"])}
+    gets = {size: redis_benchmark_get(url, size) for size in (1 << 20, 4 << 20)}
+    for what in ("read", "round trip"):
+        print(f"  {what}: kvredis {ours[what]:.2f} GB/s, the peer's best {best[what]:.2f} GB/s: "
+              f"{ours[what] / best[what]:.2f}x (target >= 1)")
+    for size, rate in gets.items():
+        print(f"  redis-benchmark -t set,get -d {size} -c 1, GET: {rate:.2f} GB/s; kvredis's read "
+              f"{ours['read'] / rate:.2f}x, "
+              f"the peer's best {best['read'] / rate:.2f}x")
+    return 0
+
+
+def redis_benchmark_get(url: str, size: int, requests: int = 200) -> float:
+    """``redis-benchmark -t set,get -d size -c 1``'s GET throughput on ``url``, GB/s (its SETs write the
+    value its GETs read: ``-t get`` alone reads a missing key)."""
+    where = urlparse(url)
+    host, port = where.hostname or "127.0.0.1", str(where.port or 6379)
+    run = subprocess.run(["redis-benchmark", "-h", host, "-p", port, "-t", "set,get", "-d", str(size),
+                          "-c", "1", "-n", str(requests), "-q"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    found = re.search(r"GET: ([\d.]+) requests per second", run.stdout.replace("\r", "\n"))
+    if found is None:
+        raise RuntimeError(f"redis-benchmark said: {run.stdout[-300:]}")
+    return float(found.group(1)) * size / 1e9
 
 
 def measure(url: str, args: argparse.Namespace) -> int:

