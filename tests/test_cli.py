@@ -142,6 +142,7 @@ def test_kvredis_stats_shows_the_hit_rate_of_every_engine_of_the_namespace(real_
 
     from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
+    from kvredis.generation import reset_namespace
     from kvredis.tally import Tally
 
     namespace = "t-stats-" + uuid.uuid4().hex[:8]
@@ -160,6 +161,12 @@ def test_kvredis_stats_shows_the_hit_rate_of_every_engine_of_the_namespace(real_
         stats = json.loads(out)
         assert (stats["lookup_tokens"], stats["found_tokens"], stats["hit_rate"]) == (1000, 600, 0.6)
         assert (stats["keys"], stats["pieces"], stats["keys_without_ttl"]) == (0, 0, 0)
+        assert stats["cache_generation"] == 0
+        reset_namespace(store, namespace)  # the generation's key is not counted among the stored keys
+        shown = kvredis("stats", "--json",
+                        env={"KVREDIS_URL": real_redis_url, "KVREDIS_NAMESPACE": namespace})
+        stats = json.loads(shown.communicate(timeout=BOUND_S)[0])
+        assert (stats["keys"], stats["keys_without_ttl"], stats["cache_generation"]) == (0, 0, 1)
     finally:
         store.delete(list(store.scan(f"{namespace}:*")))
         store.close()

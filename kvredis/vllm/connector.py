@@ -164,6 +164,29 @@ class KVRedisConnector(KVConnectorBase_V1, SupportsHMA):
         """Whether the request's KV may load while the running batch is full (vLLM 0.34)."""
         return self._scheduler_side().may_load_async(request)
 
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """The tier the loaded tokens came from, for ``vllm:prompt_tokens_cached_by_source``: ``p2p`` for an
+        announced transfer from a prefill, ``host`` for a prefix found in the shared cache (Redis's
+        memory)."""
+        if not num_external_tokens:
+            return {}
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource  # in every release that asks
+
+        return {CacheHitSource(self._scheduler_side().hit_source(request)): num_external_tokens}
+
+    def reset_cache(self) -> bool:
+        """Make everything the namespace stored so far unreachable for every engine of it (a new cache
+        generation in Redis; :meth:`KVRedisScheduler.reset_cache`). ``False``, logged, when Redis cannot be
+        reached."""
+        return self._scheduler_side().reset_cache()
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.34 then keeps EAGLE's trailing-block drop): a chunk's key covers its tokens only, not
+        the tokens an EAGLE drafter reads after its last block, which lookahead hashing requires every store
+        shared by engines to key on (docs/design.md, "vLLM's contracts for a shared cache")."""
+        return False
+
     # -- worker side ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
+from kvredis.generation import generation_key
 from kvredis.tally import tally_key
 
 STEP_TIMEOUT_S = 10.0
@@ -67,11 +68,13 @@ def wait_saved(worker: Any, stats: Counter[str]) -> None:
 
 
 def redis_keys(url: str, namespace: str) -> list[bytes]:
-    """The namespace's keys but its tally (the schedulers' lookup counts, not KV)."""
+    """The namespace's keys but its tally (the schedulers' lookup counts, not KV) and its cache generation
+    (made by a reset, kept)."""
     client = redis.Redis.from_url(url)
+    besides = {tally_key(namespace).encode(), generation_key(namespace).encode()}
     try:
         return sorted(key for key in client.scan_iter(match=f"{namespace}:*", count=1000)
-                      if key != tally_key(namespace).encode())
+                      if key not in besides)
     finally:
         client.close()
 
@@ -86,10 +89,12 @@ def lookups_ready(connector: Any) -> None:
 
 
 def delete_namespace(url: str, namespace: str) -> None:
-    """Delete what a test left in its namespace (a failed test's keys, the schedulers' tally)."""
+    """Delete what a test left in its namespace (a failed test's keys, the schedulers' tally, its cache
+    generation)."""
     client = redis.Redis.from_url(url)
     try:
-        client.delete(*redis_keys(url, namespace), tally_key(namespace).encode())
+        client.delete(*redis_keys(url, namespace), tally_key(namespace).encode(),
+                      generation_key(namespace).encode())
     finally:
         client.close()
 
