@@ -15,7 +15,7 @@ from kvredis.transfer import Transfers
 from kvredis.vllm.cache_groups import STATE, Series, describe
 from kvredis.vllm.engine import cache_identity, worker_pp_rank, worker_tp_rank
 from kvredis.vllm.heads import HeadSplit
-from kvredis.vllm.stats import Counts
+from kvredis.vllm.stats import ConnectorMetrics, Counts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,8 +78,9 @@ class Endpoint:
         keyspace = KeySpace(config.namespace, identity)
         store = RedisStore(config)
         stores = series_stores(store, config, block_size, series, keyspace.prefix)
-        return cls(config, identity, keyspace, store, stores[0], Metrics(config.namespace), Counts(),
-                   block_size, series, stores, split, rank, identity_of)
+        counts = Counts()
+        return cls(config, identity, keyspace, store, stores[0], ConnectorMetrics(config.namespace, counts),
+                   counts, block_size, series, stores, split, rank, identity_of)
 
     def stores_of(self, parts: int, part: int) -> tuple[Transfers, ...]:
         """Each series' transfers of part ``part`` of a split into ``parts`` head ranges (this rank's own, or

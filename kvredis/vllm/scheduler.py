@@ -182,7 +182,8 @@ class KVRedisScheduler:
             if state.lookup is None:
                 if time.monotonic() < self._lookups_paused_until:
                     return 0, False
-                state.lookup = self._lookup_thread.submit(self._look_up, request.request_id, state, tokens)
+                state.lookup = self._lookup_thread.submit(self._look_up, request.request_id, state, tokens,
+                                                          time.monotonic())
             answer = self._answer(state)
             if answer is _NOT_YET:
                 return None, False  # vLLM skips the request this step and asks again at the next
@@ -209,19 +210,30 @@ class KVRedisScheduler:
         state.external_stop = loadable
         return loadable - num_computed_tokens, True
 
-    def _look_up(self, req_id: str, state: _RequestState,
-                 tokens: list[int]) -> tuple[int, int, int] | None:
+    def _look_up(self, req_id: str, state: _RequestState, tokens: list[int],
+                 asked_at: float) -> tuple[int, int, int] | None:
         """How many of the prompt's positions a reader can take from Redis, the split of KV heads they
         were found in, and the cache generation they are in (the lookup thread's task); ``None`` if lookups
         are paused or this one failed (counted, warned about, and lookups paused).
 
-        The generation is read first, every time (a round trip before the lookup's): a lookup that starts
-        after a reset of any engine of the namespace finds only what was stored since."""
+        The prompt is looked up in the generation this scheduler knows; a hit is then checked against the
+        generation Redis holds (a round trip after the lookup's, for hits only: a miss loads nothing), and
+        looked up again in a newer one. So a lookup whose chunks Redis found after a reset of any engine of
+        the namespace is never answered with what was stored before it."""
         if time.monotonic() < self._lookups_paused_until:
             return None  # queued behind the lookup that failed
         try:
-            generation = self._read_generation()
-            stored = (*self._found(self._plans_of(state, tokens, generation)), generation)
+            generation = self._generation.known
+            while True:
+                found = self._found(self._plans_of(state, tokens, generation))
+                if not found[0]:
+                    break
+                checked = self._read_generation()
+                if checked == generation:
+                    break
+                generation = checked
+            stored = (*found, generation)
+            self.counts.observe(lookup_seconds=time.monotonic() - asked_at)
         except Exception as exc:  # any failure means "nothing stored", never a dead engine
             self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
             self.endpoint.metrics.miss("error")

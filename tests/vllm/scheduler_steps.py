@@ -36,9 +36,9 @@ def new_request(req_id: str, prompt: list[int], max_tokens: int = 2, params: dic
 
 
 def finish_step(scheduler: Any, output: Any, sampled: dict[str, list[int]], kv_output: KVConnectorOutput,
-                stats: Counter[str], finished: dict[str, Any]) -> None:
-    """Hand the scheduler the step's model-runner output; add the connector's stats to ``stats`` and the
-    requests that finished to ``finished``."""
+                stats: Counter[str], finished: dict[str, Any], samples: Counter[str] | None = None) -> None:
+    """Hand the scheduler the step's model-runner output; add the connector's counts to ``stats`` (the number
+    of its latency and size samples to ``samples``) and the requests that finished to ``finished``."""
     ids = list(sampled)
     extra = {}
     if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}:  # not 0.34
@@ -49,22 +49,32 @@ def finish_step(scheduler: Any, output: Any, sampled: dict[str, list[int]], kv_o
         kv_connector_output=None if kv_output.is_empty() else kv_output, **extra)
     for outputs in scheduler.update_from_output(output, runner_output).values():
         if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
-            stats.update(outputs.scheduler_stats.kv_connector_stats)
+            add_counts(stats, outputs.scheduler_stats.kv_connector_stats, samples)
         for engine_output in outputs.outputs:
             if engine_output.finish_reason is not None:
                 finished[engine_output.request_id] = engine_output
 
 
-def wait_saved(worker: Any, stats: Counter[str]) -> None:
+def wait_saved(worker: Any, stats: Counter[str], samples: Counter[str] | None = None) -> None:
     """Until the worker-role connector's writer threads stored every prompt handed to them; their counts join
-    ``stats`` (vLLM would collect them at its next step)."""
+    ``stats`` (and ``samples``, as :func:`add_counts`; vLLM would collect them at its next step)."""
     deadline = time.monotonic() + STEP_TIMEOUT_S
     while worker.worker._saves_in_flight:
         assert time.monotonic() < deadline, "a save did not finish"
         time.sleep(0.002)
     late = worker.get_kv_connector_stats()
     if late is not None:
-        stats.update(late.reduce())
+        add_counts(stats, late.data, samples)
+
+
+def add_counts(stats: Counter[str], data: dict[str, Any], samples: Counter[str] | None = None) -> None:
+    """Add a report's counts to ``stats``, and to ``samples`` the number of samples of each of its series
+    (loads', stores' and lookups' times and sizes)."""
+    for name, value in data.items():
+        if not isinstance(value, list):
+            stats[name] += value
+        elif samples is not None:
+            samples[name] += len(value)
 
 
 def redis_keys(url: str, namespace: str) -> list[bytes]:

@@ -99,6 +99,7 @@ class Engine(Stepped):
     redis_url: str
     namespace: str
     stats: Counter[str] = dataclasses.field(default_factory=Counter)  # kv_connector_stats, as vLLM logs them
+    samples: Counter[str] = dataclasses.field(default_factory=Counter)  # latency and size samples, by series
     finished: dict[str, Any] = dataclasses.field(default_factory=dict)  # request id -> final output
     recved: set[str] = dataclasses.field(default_factory=set)  # reported in finished_recving
     invalid_blocks: list[set[int]] = dataclasses.field(default_factory=list)
@@ -151,7 +152,7 @@ class Engine(Stepped):
         self.recved |= set(recving or ())
         kv_output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                       invalid_block_ids=invalid, kv_connector_stats=stats)
-        finish_step(self.scheduler, output, sampled, kv_output, self.stats, self.finished)
+        finish_step(self.scheduler, output, sampled, kv_output, self.stats, self.finished, self.samples)
         return output
 
     def _forward(self, output: Any) -> dict[str, list[int]]:
@@ -191,7 +192,7 @@ class Engine(Stepped):
 
     def wait_saved(self) -> None:
         """Until the writer threads stored every entry handed to them (their counts join ``stats``)."""
-        wait_saved(self.worker, self.stats)
+        wait_saved(self.worker, self.stats, self.samples)
 
     def wait_loaded(self, req_id: str) -> None:
         """Until the request's load has finished, no step run: finished on its thread (reported with the next

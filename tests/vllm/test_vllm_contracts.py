@@ -21,6 +21,7 @@ from vllm.config import KVTransferConfig
 
 from kvredis.generation import generation_key
 from kvredis.vllm import KVRedisConnector
+from kvredis.vllm.stats import Counts
 
 make_engine = test_scheduler.make_engine  # the harness's fixtures
 
@@ -131,15 +132,19 @@ def test_a_reset_redis_cannot_take_returns_false_and_says_so(make_engine, redis_
     assert engine.connector.reset_cache() is True  # Redis back: the reset happens
 
 
-def test_a_lost_generation_is_written_back_never_lowered(make_engine) -> None:
+def test_a_lost_generation_is_written_back_never_lowered(make_engine, monkeypatch) -> None:
     """If Redis loses the generation (an allkeys eviction policy, FLUSHALL), an engine that knew a higher one
-    writes it back at its next lookup: the namespace never returns to a generation whose chunks may remain."""
+    writes it back at its next read: the namespace never returns to a generation whose chunks may remain."""
+    import kvredis.vllm.scheduler
+
     engine = make_engine("kv_both", reuse=True)
     assert engine.connector.reset_cache() and engine.connector.reset_cache()
     client = redis.Redis.from_url(engine.redis_url)
     try:
         client.delete(generation_key(engine.namespace))
-        served(engine, "a", prompt_of(70, seed=304))
+        monkeypatch.setattr(kvredis.vllm.scheduler, "_GENERATION_REFRESH_S", 0.0)
+        engine.step()  # a step re-reads the generation
+        test_scheduler.lookups_ready(engine.connector)
         assert generation_in_redis(engine) == 2
     finally:
         client.close()
@@ -187,3 +192,73 @@ def test_lookahead_block_hashes_are_declined() -> None:
     config = KVTransferConfig(kv_connector="KVRedisConnector", kv_connector_module_path="kvredis.vllm",
                               kv_role="kv_both")
     assert KVRedisConnector.supports_lookahead_block_hashes(config) is False
+
+
+# -- latency and throughput through vLLM's connector stats ---------------------------------------------
+
+
+def test_loads_stores_and_lookups_reach_vllms_log_line_and_metrics_with_their_latency(make_engine,
+                                                                                      monkeypatch) -> None:
+    """Every store, load and lookup is a sample in the stats vLLM ships to its loggers: its periodic "KV
+    Transfer metrics" line says their Avg/P90 time and MB/s beside the counts, and ``/metrics`` has
+    ``vllm:kvredis_*`` histograms of them next to the counters (registered in the serving process, as vLLM's
+    stat logger does, so no multiprocess directory is involved)."""
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    first, second = make_engine("kv_both", reuse=True), make_engine("kv_both", reuse=True)
+    prompt = prompt_of(200, seed=320)
+    served(first, "a", prompt)
+    served(second, "b", prompt)
+    assert first.samples["store_seconds"] == first.samples["store_bytes"] == 1
+    assert second.samples["load_seconds"] == second.samples["load_bytes"] == 1
+    assert first.samples["lookup_seconds"] == second.samples["lookup_seconds"] == 1
+    # What the worker and the scheduler report, as vLLM hands it to its loggers (plain dicts).
+    reports: list[dict[str, Any]] = []
+    take = Counts.take
+
+    def recorded(self: Counts) -> Any:
+        report = take(self)
+        if report is not None:
+            reports.append(report.data)
+        return report
+
+    monkeypatch.setattr(Counts, "take", recorded)
+    first.add("c", prompt_of(100, seed=321), max_tokens=1)
+    first.finish("c")
+    first.wait_saved()
+    kinds = {name for data in reports for name, value in data.items() if isinstance(value, list)}
+    assert {"store_seconds", "store_bytes", "lookup_seconds"} <= kinds, reports
+    transfer_config = first.scheduler.vllm_config.kv_transfer_config
+    logging_ = KVConnectorLogging(transfer_config)
+    for data in reports:
+        logging_.observe(data)
+    lines: list[str] = []
+    logging_.log(lambda fmt, *args: lines.append(fmt % args))
+    (line,) = lines
+    assert line.startswith("KV Transfer metrics: ")
+    for part in ("saved_requests=1", "Avg store time (ms)=", "P90 store time (ms)=",
+                 "Store throughput (MB/s)=", "Avg lookup time (ms)=", "P90 lookup time (ms)="):
+        assert part in line, line
+
+    registry = prometheus_client.CollectorRegistry()
+    metric_types = {cls: _in(registry, cls) for cls in (prometheus_client.Gauge, prometheus_client.Counter,
+                                                        prometheus_client.Histogram)}
+    prom = KVRedisConnector.build_prom_metrics(first.scheduler.vllm_config, metric_types, ["engine"],
+                                               {0: ["0"]})
+    for data in reports:
+        prom.observe(data, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    for series in ('vllm:kvredis_store_time_seconds_count{engine="0"} 1.0',
+                   'vllm:kvredis_store_bytes_count{engine="0"} 1.0',
+                   'vllm:kvredis_lookup_time_seconds_count{engine="0"} 1.0',
+                   'vllm:kvredis_saved_requests_total{engine="0"} 1.0',
+                   'vllm:kvredis_load_time_seconds_bucket{engine="0",le="0.0005"} 0.0'):
+        assert series in text, text
+    first.assert_empty()
+    second.assert_empty()
+
+
+def _in(registry: Any, cls: type) -> Any:
+    """``cls`` registering its metrics in ``registry`` (as vLLM's metric types are the default registry's)."""
+    return lambda *args, **kwargs: cls(*args, registry=registry, **kwargs)
