@@ -32,8 +32,9 @@ from kvredis.tally import Tally
 from kvredis.transfer import Transfers
 from kvredis.vllm.cache_groups import STATE, resume_step
 from kvredis.vllm.discards import Discards
-from kvredis.vllm.endpoint import Endpoint, series_prefix
+from kvredis.vllm.endpoint import Endpoint, kv_events_enabled, series_prefix
 from kvredis.vllm.engine import cache_identity
+from kvredis.vllm.events import StoredBlocks, StoreReports
 from kvredis.vllm.heads import sources
 from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec, resume_end, stored_plan, token_list
 
@@ -93,6 +94,7 @@ class _RequestState:
     counted: bool = False  # its lookup is in the counters (vLLM may ask again while the request waits)
     parts: int = 0  # the KV head ranges its stored chunks were found in (another TP size's); 0: this engine's
     plans_generation: int = 0  # the generation ``plans`` were hashed in
+    request: Any = None  # vLLM's request (its block hashes), kept for KV events only
 
     @property
     def context(self) -> str:
@@ -152,6 +154,10 @@ class KVRedisScheduler:
         self._other_splits = [] if any(s.kind == STATE for s in endpoint.series) else [
             parts for parts in range(1, split.total + 1) if parts != split.parts and split.nests(parts)]
         self.discards = Discards(self.transfers, self.counts, self.config.pop_timeout_s)
+        # KV events (--kv-events-config): what every writer rank (one a KV head range of each pipeline stage)
+        # stored, for vLLM's publisher.
+        self._stored_blocks = (StoredBlocks(writers=int(parallel.pipeline_parallel_size) * split.parts)
+                               if kv_events_enabled(vllm_config) else None)
         if self._loads:
             # The lookups' connection is opened now, not by the first request's lookup, which would then
             # outlast its step's wait on a connect (that request would wait a step for nothing).
@@ -285,8 +291,11 @@ class KVRedisScheduler:
 
     def _read_generation(self) -> int:
         """The namespace's generation, read now (on the lookup thread)."""
+        known = self._generation.known
         generation = self._generation.read()
         self._generation_read_at = time.monotonic()
+        if generation > known and self._stored_blocks is not None:
+            self._stored_blocks.dropped()  # another engine reset the namespace
         return generation
 
     def _refresh_generation(self) -> None:
@@ -323,7 +332,13 @@ class KVRedisScheduler:
             return False
         logger.info("reset the shared KV cache of namespace %r: cache generation %d; nothing stored before "
                     "is loaded by any engine of the namespace from now on", self.config.namespace, generation)
+        if self._stored_blocks is not None:
+            self._stored_blocks.dropped()
         return True
+
+    def take_events(self) -> list[Any]:
+        """KV events since the last call: blocks stored in Redis, blocks a reset dropped."""
+        return self._stored_blocks.take() if self._stored_blocks is not None else []
 
     def _found(self, plans: tuple[ChunkPlan, ...]) -> tuple[int, int]:
         """The longest prefix of the prompt stored in this engine's split of KV heads, or, where that is not
@@ -407,6 +422,8 @@ class KVRedisScheduler:
                 self._announcement(request, params, context.digest)
                 if self._consumer else None,
                 bool(params))
+            if self._stored_blocks is not None:
+                state.request = request
             if context.unsupported:
                 self.counts.add(skipped_requests=1)
                 self._warn_once(("unsupported", context.unsupported),
@@ -611,13 +628,21 @@ class KVRedisScheduler:
             block_ids = [list(ids) for ids in current] if current else prefill.block_ids
             saves.append(TransferSpec(req_id, prefill.token_ids, block_ids, 0, len(prefill.token_ids),
                                       prefill.context, prefill.entry_id, computed=prefill.computed))
+            state = self._requests.get(req_id)
+            if (self._stored_blocks is not None and state is not None and state.request is not None
+                    and (prefill.entry_id is None or self.config.reuse)):
+                # Chunks any reader may find (a transfer's are deleted once its decode took them).
+                self._stored_blocks.expect(state.request, end, self.endpoint.block_size)
             self._saved[req_id] = prefill.entry_id, prefill.context, prefill.generation
         return saves
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Forget loads the workers report finished."""
+        """Forget loads the workers report finished; take their saves' outcomes (KV events)."""
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             self._loading.discard(req_id)
+        reports = getattr(connector_output, "kv_cache_events", None)
+        if self._stored_blocks is not None and isinstance(reports, StoreReports):
+            self._stored_blocks.report(reports)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request whose load is still writing; announce a saved prompt; release an

@@ -15,6 +15,7 @@ pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the
 
 import redis
 import test_scheduler
+from conftest import BLOCK_SIZE
 from redis_servers import RedisServer
 from test_scheduler import Engine, assert_nothing_left, prompt_of
 from vllm.config import KVTransferConfig
@@ -79,7 +80,7 @@ def test_a_prefill_that_overlaps_a_reset_is_not_stored(make_engine) -> None:
     engine = make_engine("kv_both", reuse=True)
     prompt = prompt_of(300, seed=301)  # three prefill steps of 128 tokens
     engine.add("a", prompt, max_tokens=1)
-    engine.step()
+    engine.run(lambda: "a" in engine.new_reqs)  # its first prefill step ran (once its lookup was answered)
     assert engine.connector.reset_cache() is True
     engine.finish("a")
     engine.wait_saved()
@@ -262,3 +263,75 @@ def test_loads_stores_and_lookups_reach_vllms_log_line_and_metrics_with_their_la
 def _in(registry: Any, cls: type) -> Any:
     """``cls`` registering its metrics in ``registry`` (as vLLM's metric types are the default registry's)."""
     return lambda *args, **kwargs: cls(*args, registry=registry, **kwargs)
+
+
+# -- KV events -----------------------------------------------------------------------------------------
+
+
+def events_engine(make_engine: Any, role: str = "kv_both") -> tuple[Engine, list[Any]]:
+    """A reuse-mode engine publishing KV events (``--kv-events-config``); the events vLLM's scheduler hands
+    its publisher, as they come."""
+    from vllm.config import KVEventsConfig
+
+    engine = make_engine(role, reuse=True, vllm_settings={
+        "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="null")})
+    published: list[Any] = []
+    engine.scheduler.kv_event_publisher.publish = lambda batch: published.extend(batch.events)
+    return engine, published
+
+
+def redis_events(published: list[Any]) -> list[Any]:
+    return [event for event in published if getattr(event, "medium", None) == "REDIS"]
+
+
+def test_stored_chunks_and_a_resets_drop_are_published_as_kv_events(make_engine, monkeypatch) -> None:
+    """An engine publishes the blocks it stored in Redis (vLLM's block hashes, the tier named) once its
+    writers stored them, and their removal when the namespace is reset, by itself or by another engine."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    engine, published = events_engine(make_engine)
+    other, other_published = events_engine(make_engine)
+    prompt = prompt_of(200, seed=330)
+    request = engine.add("a", prompt, max_tokens=2)
+    engine.finish("a")
+    engine.wait_saved()
+    engine.step()  # the writers' report reaches the scheduler with the next step's output
+    (stored,) = redis_events(published)
+    assert isinstance(stored, BlockStored) and stored.locality == "REMOTE"
+    blocks = 199 // BLOCK_SIZE  # every position but the last is stored: its full blocks
+    assert len(stored.block_hashes) == blocks and stored.block_size == BLOCK_SIZE
+    # vLLM's own block hashes, as its block pool publishes them for the GPU (64-bit ints by default)
+    assert stored.block_hashes == [maybe_convert_block_hash(h) for h in request.block_hashes[:blocks]]
+    assert stored.token_ids == prompt[:blocks * BLOCK_SIZE] and stored.parent_block_hash is None
+    # The GPU's own events are there too, under their medium.
+    assert any(isinstance(e, BlockStored) and e.medium == "GPU" for e in published)
+    assert other.connector.reset_cache()
+    assert redis_events(other_published) == []  # the other stored nothing: nothing to remove
+    import kvredis.vllm.scheduler
+
+    monkeypatch.setattr(kvredis.vllm.scheduler, "_GENERATION_REFRESH_S", 0.0)
+    engine.step()  # the engine re-reads the generation (on its lookup thread) and learns of the reset
+    test_scheduler.lookups_ready(engine.connector)
+    engine.step()  # its events reach the publisher with the next step
+    removed = [e for e in redis_events(published) if isinstance(e, BlockRemoved)]
+    assert len(removed) == 1 and removed[0].block_hashes == stored.block_hashes
+    engine.assert_empty()
+    other.assert_empty()
+
+
+def test_a_save_that_failed_is_not_published(make_engine, monkeypatch) -> None:
+    from kvredis.errors import KVRedisError
+    from kvredis.transfer import Transfers
+
+    engine, published = events_engine(make_engine)
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise KVRedisError("Redis refused the write")
+
+    monkeypatch.setattr(Transfers, "save", failing)
+    served(engine, "a", prompt_of(100, seed=332))
+    engine.step()
+    assert engine.stats["save_failures"] == 1 and redis_events(published) == []
+    assert not engine.connector.scheduler._stored_blocks._pending  # its report came: nothing waits
+    engine.assert_empty()
