@@ -51,6 +51,8 @@ _STEP_LOOKUP_WAIT_S = 0.005
 network round trip more; one still out after this is answered "not yet" and asked about again at the next
 step, while it runs on (up to the lookup timeout)."""
 _NOT_YET = object()
+_GENERATION_TRIES = 3
+"""Lookups of a prompt in successive generations, at most, when resets keep coming while it is looked up."""
 _GENERATION_REFRESH_S = 1.0
 """How often, at most, a scheduler re-reads its namespace's cache generation besides its lookups (which each
 read it): an engine that looks nothing up (a producer, a decode taking only announced transfers) learns of
@@ -230,7 +232,7 @@ class KVRedisScheduler:
             return None  # queued behind the lookup that failed
         try:
             generation = self._generation.known
-            while True:
+            for _ in range(_GENERATION_TRIES):
                 found = self._found(self._plans_of(state, tokens, generation))
                 if not found[0]:
                     break
@@ -238,6 +240,8 @@ class KVRedisScheduler:
                 if checked == generation:
                     break
                 generation = checked
+            else:
+                found = (0, found[1])  # resets in a row: nothing found is known to be of the current one
             stored = (*found, generation)
             self.counts.observe(lookup_seconds=time.monotonic() - asked_at)
         except Exception as exc:  # any failure means "nothing stored", never a dead engine
