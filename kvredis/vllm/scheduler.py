@@ -323,7 +323,8 @@ class KVRedisScheduler:
         /reset_prefix_cache?reset_external=true``, sleep level 1 and up, a pause that clears caches).
 
         From then on no engine of the namespace finds what was stored before: this one at once, the others
-        at their next lookup (each reads the generation) or within :data:`_GENERATION_REFRESH_S`. Prompts
+        at their next lookup that finds chunks (each such reads the generation), or within
+        :data:`_GENERATION_REFRESH_S` of their next step. Prompts
         this engine was prefilling are not stored (their KV may predate the reset); lookups answered before
         it are asked again. ``False`` (logged) when Redis cannot be reached: nothing was reset then, as far
         as this engine knows."""
@@ -616,7 +617,6 @@ class KVRedisScheduler:
             del self._prefills[req_id]
             if prefill.generation != self._generation.known:
                 continue  # its prefill overlapped a reset: part of its KV may be the old weights'
-
             end = resume_end(len(prefill.token_ids), self._step)
             if end == 0:
                 continue  # shorter than a Mamba state's block and a token: no reader could resume from it
