@@ -335,3 +335,25 @@ def test_a_save_that_failed_is_not_published(make_engine, monkeypatch) -> None:
     assert engine.stats["save_failures"] == 1 and redis_events(published) == []
     assert not engine.connector.scheduler._stored_blocks._pending  # its report came: nothing waits
     engine.assert_empty()
+
+
+def test_a_prompt_is_published_once_every_writer_rank_stored_it() -> None:
+    """With tensor parallelism each writer rank (a KV head range) reports its own save; the blocks are
+    published when the last one did, and not at all if one failed."""
+    from scheduler_steps import new_request
+
+    from kvredis.vllm.events import StoredBlocks, StoreReports
+
+    blocks = StoredBlocks(writers=2)
+    for req_id in ("a", "b"):
+        blocks.expect(new_request(req_id, prompt_of(100, seed=340)), 99, BLOCK_SIZE)
+    blocks.report(StoreReports([("a", True), ("b", True)]))
+    assert blocks.take() == []  # one rank of two
+    blocks.report(StoreReports([("a", True), ("b", False), ("unknown", True)]))
+    (event,) = blocks.take()
+    assert len(event.block_hashes) == 99 // BLOCK_SIZE and event.medium == "REDIS"
+    blocks.dropped()
+    (removed,) = blocks.take()
+    assert removed.block_hashes == event.block_hashes
+    blocks.dropped()
+    assert blocks.take() == []  # nothing published since
