@@ -24,6 +24,9 @@ from typing import Any
 
 from kvredis.keys import check_digest, check_entry_id
 
+GENERATION_FIELD = "cache_generation"
+"""The engine field naming the cache generation a transfer is stored in (:mod:`kvredis.generation`; absent:
+0)."""
 TRANSFER_PARAM = "kvredis"
 """The key under which the producer announces an entry in ``kv_transfer_params``."""
 
@@ -32,6 +35,7 @@ ENGINE_FIELDS = {
     "block_size": "block size", "kv_heads": "KV heads", "format_version": "entry format",
     "weights": "model weights and settings", "layers": "KV cache layers", "chunk_tokens": "chunk length",
     "series": "KV cache groups (attention kinds and windows)",
+    "cache_generation": "cache generation (the namespace was reset, and one of the engines knows it already)",
 }
 """The fields an announcement carries about the producer's engine, and how a warning names each (the engine
 also says ``kv_parts``, the ranges its KV heads are split in: a reader's need only nest with them)."""

@@ -49,14 +49,17 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     """Print what a namespace holds, and the hit rate of its engines' lookups."""
     from kvredis.client import RedisStore
+    from kvredis.generation import generation_key, read_generation
     from kvredis.tally import read_tally, tally_key
 
     config = _config(args)
     store = RedisStore(config)
     try:
-        found = store.summary(f"{config.namespace}:*", besides=(tally_key(config.namespace),))
+        found = store.summary(f"{config.namespace}:*",
+                              besides=(tally_key(config.namespace), generation_key(config.namespace)))
         stats = {"namespace": config.namespace, "url": config.masked_url, **found,
-                 **read_tally(store, config.namespace)}
+                 **read_tally(store, config.namespace),
+                 "cache_generation": read_generation(store, config.namespace)}
     finally:
         store.close()
     if args.json:
@@ -68,13 +71,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    """Delete every key of a namespace, asking first unless --yes."""
+    """Delete every key of a namespace, asking first unless --yes.
+
+    It first starts a new cache generation (as vLLM's ``reset_prefix_cache?reset_external=true`` does,
+    :func:`kvredis.generation.reset_namespace`): a chunk a writer still in flight stores after the deletion
+    is under the old generation, which no engine looks up again. The generation's key is kept."""
     from kvredis.client import RedisStore
+    from kvredis.generation import purge_keys, reset_namespace
 
     config = _config(args)
     store = RedisStore(config)
     try:
-        keys = list(store.scan(f"{config.namespace}:*"))
+        keys = list(purge_keys(store, config.namespace))
         if not keys:
             print(f"namespace {config.namespace!r} at {config.masked_url} holds no keys")
             return 0
@@ -87,10 +95,11 @@ def cmd_purge(args: argparse.Namespace) -> int:
             if answer.strip().lower() not in ("y", "yes"):
                 print("nothing deleted")
                 return 1
+        generation = reset_namespace(store, config.namespace)
         deleted = sum(store.delete(keys[i:i + 500]) for i in range(0, len(keys), 500))
     finally:
         store.close()
-    print(f"deleted {deleted} keys of namespace {config.namespace!r}")
+    print(f"deleted {deleted} keys of namespace {config.namespace!r} (cache generation now {generation})")
     return 0
 
 

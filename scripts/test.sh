@@ -69,7 +69,7 @@ VLLM_OVERLAYS=(0.33.0 0.34.0)
 VLLM_SCHEDULER_TESTS=(tests/vllm/test_scheduler.py tests/vllm/test_hybrid.py tests/vllm/test_mixed_tp.py
   tests/vllm/test_early_loads.py
   tests/vllm/test_sleep_mode.py tests/vllm/test_preemption.py tests/vllm/test_supported_versions.py
-  tests/vllm/test_cuda_path.py)
+  tests/vllm/test_cuda_path.py tests/vllm/test_vllm_contracts.py)
 for version in "${VLLM_OVERLAYS[@]}"; do
   overlay=${KVREDIS_VLLM_OVERLAY_DIR:-$HOME/.cache/kvredis}/vllm-overlay-$version
   step "vLLM $version overlay ($overlay)"

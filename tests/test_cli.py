@@ -134,14 +134,18 @@ def test_kvredis_stats_counts_chunks_records_and_holders_with_their_ttls(real_re
         store.close()
 
 
-def test_kvredis_stats_shows_the_hit_rate_of_every_engine_of_the_namespace(real_redis_url: str) -> None:
+def test_kvredis_stats_shows_the_hit_rate_of_every_engine_of_the_namespace(real_redis_url: str,
+                                                                           capsys: pytest.CaptureFixture[str]
+                                                                           ) -> None:
     """Two engines' tallies (what their schedulers looked up and found) add up in Redis; ``kvredis stats``
     shows them and their ratio, and does not count the tally among the stored keys."""
     import json
     import uuid
 
+    from kvredis.cli import main
     from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
+    from kvredis.generation import reset_namespace
     from kvredis.tally import Tally
 
     namespace = "t-stats-" + uuid.uuid4().hex[:8]
@@ -160,6 +164,11 @@ def test_kvredis_stats_shows_the_hit_rate_of_every_engine_of_the_namespace(real_
         stats = json.loads(out)
         assert (stats["lookup_tokens"], stats["found_tokens"], stats["hit_rate"]) == (1000, 600, 0.6)
         assert (stats["keys"], stats["pieces"], stats["keys_without_ttl"]) == (0, 0, 0)
+        assert stats["cache_generation"] == 0
+        reset_namespace(store, namespace)  # the generation's key is not counted among the stored keys
+        assert main(["stats", "--json", "--url", real_redis_url, "--namespace", namespace]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert (stats["keys"], stats["keys_without_ttl"], stats["cache_generation"]) == (0, 0, 1)
     finally:
         store.delete(list(store.scan(f"{namespace}:*")))
         store.close()

@@ -15,7 +15,8 @@ Only this package imports vLLM:
 - :mod:`kvredis.vllm.discards`: releasing announced transfers no decode will take;
 - :mod:`kvredis.vllm.engine`: the supported releases, the engine identity chunks are keyed for, and the
   configurations refused at start-up;
-- :mod:`kvredis.vllm.stats`: the counters vLLM logs and serves as ``vllm:kvredis_<name>_total``.
+- :mod:`kvredis.vllm.stats`: the counters and latencies vLLM logs and serves as ``vllm:kvredis_*``;
+- :mod:`kvredis.vllm.events`: KV events for routers (blocks stored in Redis, and dropped by a reset).
 """
 
 from kvredis.vllm.connector import KVRedisConnector

@@ -39,6 +39,7 @@ from kvredis.request_keys import UNHASHED_MULTIMODAL
 from kvredis.vllm.cache_groups import cache_series, unsupported_state
 from kvredis.vllm.endpoint import Endpoint
 from kvredis.vllm.engine import check_vllm_version, multimodal_inputs_hashed, refuse_unsupported
+from kvredis.vllm.events import StoreReports
 from kvredis.vllm.metadata import KVRedisConnectorMetadata
 from kvredis.vllm.scheduler import KVRedisScheduler
 from kvredis.vllm.stats import KVRedisPromMetrics, KVRedisStats
@@ -160,9 +161,37 @@ class KVRedisConnector(KVConnectorBase_V1, SupportsHMA):
         """The KV cache groups a load writes: every stored series' (vLLM must not zero their new blocks)."""
         return tuple(sorted(group for series in self.endpoint.series for group in series.groups))
 
+    def take_events(self) -> Any:
+        """KV events for vLLM's publisher (``--kv-events-config``): blocks stored in Redis, and removed by a
+        reset (medium ``"REDIS"``)."""
+        return self._scheduler_side().take_events()
+
     def may_load_async(self, request: Any) -> bool:
         """Whether the request's KV may load while the running batch is full (vLLM 0.34)."""
         return self._scheduler_side().may_load_async(request)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """The tier the loaded tokens came from, for ``vllm:prompt_tokens_cached_by_source``: ``p2p`` for an
+        announced transfer from a prefill, ``host`` for a prefix found in the shared cache (Redis's
+        memory)."""
+        if not num_external_tokens:
+            return {}
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource  # in every release that asks
+
+        return {CacheHitSource(self._scheduler_side().hit_source(request)): num_external_tokens}
+
+    def reset_cache(self) -> bool:
+        """Make everything the namespace stored so far unreachable for every engine of it (a new cache
+        generation in Redis; :meth:`KVRedisScheduler.reset_cache`). ``False``, logged, when Redis cannot be
+        reached."""
+        return self._scheduler_side().reset_cache()
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.34 then keeps EAGLE's trailing-block drop): a chunk's key covers its tokens only, not
+        the tokens an EAGLE drafter reads after its last block, which lookahead hashing requires every store
+        shared by engines to key on (docs/design.md, "vLLM's contracts for a shared cache")."""
+        return False
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -205,6 +234,10 @@ class KVRedisConnector(KVConnectorBase_V1, SupportsHMA):
         failed = worker.take_failed_requests()
         return KVConnectorTransferResults(finished_recving=set(finished or ()) | failed,
                                           failed_recving=failed)
+
+    def get_kv_connector_kv_cache_events(self) -> StoreReports | None:
+        """This worker's saves since the last step, stored or not, for the scheduler's KV events."""
+        return self._worker_side().endpoint.outcomes.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed; their requests finish in the next ``get_finished``."""

@@ -14,8 +14,9 @@ from kvredis.metrics import Metrics
 from kvredis.transfer import Transfers
 from kvredis.vllm.cache_groups import STATE, Series, describe
 from kvredis.vllm.engine import cache_identity, worker_pp_rank, worker_tp_rank
+from kvredis.vllm.events import Outcomes
 from kvredis.vllm.heads import HeadSplit
-from kvredis.vllm.stats import Counts
+from kvredis.vllm.stats import ConnectorMetrics, Counts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,6 +44,8 @@ class Endpoint:
     """This rank (the scheduler's: 0)."""
     identity_of: Callable[[int, int], CacheIdentity] | None = None
     """The identity of part ``part`` of a split into ``parts`` head ranges (another TP size's chunks)."""
+    outcomes: Outcomes = field(default_factory=lambda: Outcomes(enabled=False))
+    """A worker's save outcomes, for the scheduler's KV events (kept only with ``--kv-events-config``)."""
     _other_stores: dict[tuple[int, int], tuple[Transfers, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -78,8 +81,10 @@ class Endpoint:
         keyspace = KeySpace(config.namespace, identity)
         store = RedisStore(config)
         stores = series_stores(store, config, block_size, series, keyspace.prefix)
-        return cls(config, identity, keyspace, store, stores[0], Metrics(config.namespace), Counts(),
-                   block_size, series, stores, split, rank, identity_of)
+        counts = Counts()
+        return cls(config, identity, keyspace, store, stores[0], ConnectorMetrics(config.namespace, counts),
+                   counts, block_size, series, stores, split, rank, identity_of,
+                   Outcomes(enabled=worker and kv_events_enabled(vllm_config)))
 
     def stores_of(self, parts: int, part: int) -> tuple[Transfers, ...]:
         """Each series' transfers of part ``part`` of a split into ``parts`` head ranges (this rank's own, or
@@ -110,6 +115,12 @@ class Endpoint:
     def close(self) -> None:
         """Release the Redis connections (chunks already stored stay until taken or expired)."""
         self.store.close()
+
+
+def kv_events_enabled(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM publishes KV events (``--kv-events-config`` with ``enable_kv_cache_events``)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and getattr(events, "enable_kv_cache_events", False))
 
 
 def series_prefix(prefix: str, tag: str) -> str:

@@ -22,17 +22,19 @@ from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvredis.announcement import Announcement, MalformedAnnouncement, read_announcement
+from kvredis.announcement import GENERATION_FIELD, Announcement, MalformedAnnouncement, read_announcement
 from kvredis.chunk_keys import ChunkPlan
 from kvredis.errors import KVRedisError
+from kvredis.generation import Generation, with_generation
 from kvredis.keys import KeySpace, new_entry_id, prompt_digest
 from kvredis.request_keys import AdapterDigests, request_context
 from kvredis.tally import Tally
 from kvredis.transfer import Transfers
 from kvredis.vllm.cache_groups import STATE, resume_step
 from kvredis.vllm.discards import Discards
-from kvredis.vllm.endpoint import Endpoint, series_prefix
+from kvredis.vllm.endpoint import Endpoint, kv_events_enabled, series_prefix
 from kvredis.vllm.engine import cache_identity
+from kvredis.vllm.events import StoredBlocks, StoreReports
 from kvredis.vllm.heads import sources
 from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec, resume_end, stored_plan, token_list
 
@@ -49,6 +51,12 @@ _STEP_LOOKUP_WAIT_S = 0.005
 network round trip more; one still out after this is answered "not yet" and asked about again at the next
 step, while it runs on (up to the lookup timeout)."""
 _NOT_YET = object()
+_GENERATION_TRIES = 3
+"""Lookups of a prompt in successive generations, at most, when resets keep coming while it is looked up."""
+_GENERATION_REFRESH_S = 1.0
+"""How often, at most, a scheduler re-reads its namespace's cache generation besides its lookups (which each
+read it): an engine that looks nothing up (a producer, a decode taking only announced transfers) learns of
+another engine's reset within this (and a step)."""
 
 
 @dataclass
@@ -59,6 +67,7 @@ class _Prefill:
     context: str
     entry_id: str | None
     known: int = 0  # its first chunks Redis held at its lookup (reuse): not copied out again
+    generation: int = 0  # the cache generation it is stored in
 
 
 @dataclass
@@ -76,17 +85,25 @@ class _Announcement:
 class _RequestState:
     """The scheduler's view of one request, from its first lookup until it finishes."""
 
-    context: str
+    base_context: str  # its context digest (adapter, images, salt), before the cache generation
+    generation: int  # the namespace's cache generation its keys are in (the last lookup's)
     unsupported: str | None
     remote_decode: bool
     announcement: _Announcement | None
     transfer_params: bool = False  # the request carried kv_transfer_params (a proxy's, or a client's own)
     external_stop: int = 0  # the last lookup's answer: positions up to this one can be loaded
     plans: tuple[ChunkPlan, ...] = ()  # the prompt's chunks in each series, hashed at its first lookup
-    lookup: Future[tuple[int, int] | None] | None = None  # a lookup Redis has not answered yet
+    lookup: Future[tuple[int, int, int] | None] | None = None  # a lookup Redis has not answered yet
     counted: bool = False  # its lookup is in the counters (vLLM may ask again while the request waits)
     parts: int = 0  # the KV head ranges its stored chunks were found in (another TP size's); 0: this engine's
     stored: int = 0  # positions Redis held of it in this engine's own key space at its last lookup
+    plans_generation: int = 0  # the generation ``plans`` were hashed in
+    request: Any = None  # vLLM's request (its block hashes), kept for KV events only
+
+    @property
+    def context(self) -> str:
+        """The digest its chunks are chained from: its context in its cache generation."""
+        return with_generation(self.base_context, self.generation)
 
 
 class KVRedisScheduler:
@@ -112,12 +129,18 @@ class KVRedisScheduler:
         self._lookup_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvredis-lookup")
         self._step_wait_left = _STEP_LOOKUP_WAIT_S
         self._tally = Tally(endpoint.store, self.config.namespace)  # kvredis stats' hit rate
+        # The namespace's cache generation (a reset starts a new one): read with every lookup, and at least
+        # every _GENERATION_REFRESH_S while steps run.
+        self._generation = Generation(endpoint.store, self.config.namespace)
+        self._generation_read_at = 0.0
+        self._generation_refresh: Future[None] | None = None
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, TransferSpec] = {}
         self._loading: set[str] = set()
         self._loaded_once: set[str] = set()
         self._prefills: dict[str, _Prefill] = {}
-        self._saved: dict[str, str | None] = {}  # request id -> the transfer id its save was given
+        # request id -> the transfer id its save was given, the context digest and generation it is in
+        self._saved: dict[str, tuple[str | None, str, int]] = {}
         self._stored_any = False  # a prefill was handed to the writers (the producer is not silent)
         self._adapters = AdapterDigests()
         self._warned: set[tuple[str, ...]] = set()
@@ -135,10 +158,15 @@ class KVRedisScheduler:
         self._other_splits = [] if any(s.kind == STATE for s in endpoint.series) else [
             parts for parts in range(1, split.total + 1) if parts != split.parts and split.nests(parts)]
         self.discards = Discards(self.transfers, self.counts, self.config.pop_timeout_s)
+        # KV events (--kv-events-config): what every writer rank (one a KV head range of each pipeline stage)
+        # stored, for vLLM's publisher.
+        self._stored_blocks = (StoredBlocks(writers=int(parallel.pipeline_parallel_size) * split.parts)
+                               if kv_events_enabled(vllm_config) else None)
         if self._loads:
             # The lookups' connection is opened now, not by the first request's lookup, which would then
             # outlast its step's wait on a connect (that request would wait a step for nothing).
             self._lookup_thread.submit(self._connect)
+        self._refresh_generation()
 
     # -- lookups and loads ------------------------------------------------------------------------
 
@@ -157,18 +185,25 @@ class KVRedisScheduler:
         announcement = state.announcement
         if announcement is not None and announcement.differences:
             return 0, False
+        if announcement is not None and state.generation != self._generation.known:
+            return 0, False  # announced before a reset this engine knows of: its KV may be the old weights'
+
         if announcement is None:
             if state.lookup is None:
                 if time.monotonic() < self._lookups_paused_until:
                     return 0, False
-                state.lookup = self._lookup_thread.submit(self._look_up, request.request_id, state, tokens)
+                state.lookup = self._lookup_thread.submit(self._look_up, request.request_id, state, tokens,
+                                                          time.monotonic())
             answer = self._answer(state)
             if answer is _NOT_YET:
                 return None, False  # vLLM skips the request this step and asks again at the next
             if answer is None:
                 return 0, False  # the lookup failed or was skipped: nothing is stored, as far as we know
             assert isinstance(answer, tuple)
-            stored, state.parts = answer
+            stored, state.parts, generation = answer
+            if generation < self._generation.known:
+                return None, False  # answered before a reset this scheduler made: asked again next step
+            state.generation = generation  # the keys the load reads are those the lookup found
             state.stored = stored if state.parts == self.endpoint.split.parts else 0
             # Found without an announcement: a prefix of the prompt, maybe all of it.
             found = min(loadable, stored)
@@ -186,14 +221,32 @@ class KVRedisScheduler:
         state.external_stop = loadable
         return loadable - num_computed_tokens, True
 
-    def _look_up(self, req_id: str, state: _RequestState, tokens: list[int]) -> tuple[int, int] | None:
-        """How many of the prompt's positions a reader can take from Redis, and the split of KV heads they
-        were found in (the lookup thread's task); ``None`` if lookups are paused or this one failed
-        (counted, warned about, and lookups paused)."""
+    def _look_up(self, req_id: str, state: _RequestState, tokens: list[int],
+                 asked_at: float) -> tuple[int, int, int] | None:
+        """How many of the prompt's positions a reader can take from Redis, the split of KV heads they
+        were found in, and the cache generation they are in (the lookup thread's task); ``None`` if lookups
+        are paused or this one failed (counted, warned about, and lookups paused).
+
+        The prompt is looked up in the generation this scheduler knows; a hit is then checked against the
+        generation Redis holds (a round trip after the lookup's, for hits only: a miss loads nothing), and
+        looked up again in a newer one. So a lookup whose chunks Redis found after a reset of any engine of
+        the namespace is never answered with what was stored before it."""
         if time.monotonic() < self._lookups_paused_until:
             return None  # queued behind the lookup that failed
         try:
-            stored = self._found(self._plans_of(state, tokens))
+            generation = self._generation.known
+            for _ in range(_GENERATION_TRIES):
+                found = self._found(self._plans_of(state, tokens, generation))
+                if not found[0]:
+                    break
+                checked = self._read_generation()
+                if checked == generation:
+                    break
+                generation = checked
+            else:
+                found = (0, found[1])  # resets in a row: nothing found is known to be of the current one
+            stored = (*found, generation)
+            self.counts.observe(lookup_seconds=time.monotonic() - asked_at)
         except Exception as exc:  # any failure means "nothing stored", never a dead engine
             self._lookups_paused_until = time.monotonic() + _LOOKUP_PAUSE_S
             self.endpoint.metrics.miss("error")
@@ -232,12 +285,68 @@ class KVRedisScheduler:
         state.lookup = None  # asked again later (the request may wait for room), Redis is asked again
         return lookup.result()
 
-    def _plans_of(self, state: _RequestState, tokens: list[int]) -> tuple[ChunkPlan, ...]:
-        """The prompt's chunks in each series, hashed once per request (the scheduler may ask about it every
-        step)."""
-        if not state.plans:
-            state.plans = tuple(stored_plan(store, tokens, state.context) for store in self.endpoint.stores)
+    def _plans_of(self, state: _RequestState, tokens: list[int], generation: int) -> tuple[ChunkPlan, ...]:
+        """The prompt's chunks in each series in cache generation ``generation``, hashed once per request and
+        generation (the scheduler may ask about it every step)."""
+        if not state.plans or state.plans_generation != generation:
+            context = with_generation(state.base_context, generation)
+            state.plans = tuple(stored_plan(store, tokens, context) for store in self.endpoint.stores)
+            state.plans_generation = generation
         return state.plans
+
+    # -- the cache generation (resets) ------------------------------------------------------------
+
+    def _read_generation(self) -> int:
+        """The namespace's generation, read now (on the lookup thread)."""
+        known = self._generation.known
+        generation = self._generation.read()
+        self._generation_read_at = time.monotonic()
+        if generation > known and self._stored_blocks is not None:
+            self._stored_blocks.dropped()  # another engine reset the namespace
+        return generation
+
+    def _refresh_generation(self) -> None:
+        """Have the lookup thread re-read the generation if the last read is :data:`_GENERATION_REFRESH_S`
+        old (called once a step; never waits)."""
+        pending = self._generation_refresh
+        if (pending is not None and not pending.done()) or (
+                time.monotonic() - self._generation_read_at < _GENERATION_REFRESH_S):
+            return
+        self._generation_read_at = time.monotonic()  # not asked again while this one runs
+        self._generation_refresh = self._lookup_thread.submit(self._read_quietly)
+
+    def _read_quietly(self) -> None:
+        try:
+            self._read_generation()
+        except Exception as exc:  # the next lookup reports an outage; this only keeps the generation fresh
+            logger.debug("could not read the cache generation: %s", exc)
+
+    def reset_cache(self) -> bool:
+        """Start a new cache generation of the namespace (vLLM's ``reset_cache``: ``POST
+        /reset_prefix_cache?reset_external=true``, sleep level 1 and up, a pause that clears caches).
+
+        From then on no engine of the namespace finds what was stored before: this one at once, the others
+        at their next lookup that finds chunks (each such reads the generation), or within
+        :data:`_GENERATION_REFRESH_S` of their next step. Prompts
+        this engine was prefilling are not stored (their KV may predate the reset); lookups answered before
+        it are asked again. ``False`` (logged) when Redis cannot be reached: nothing was reset then, as far
+        as this engine knows."""
+        try:
+            generation = self._generation.bump()
+        except Exception as exc:  # Redis down, slow, or an ACL without incr: the reset did not happen
+            logger.warning("cannot reset the shared KV cache of namespace %r (a new cache generation in "
+                           "Redis): %s; KV stored before may still be loaded", self.config.namespace, exc,
+                           exc_info=not isinstance(exc, KVRedisError))
+            return False
+        logger.info("reset the shared KV cache of namespace %r: cache generation %d; nothing stored before "
+                    "is loaded by any engine of the namespace from now on", self.config.namespace, generation)
+        if self._stored_blocks is not None:
+            self._stored_blocks.dropped()
+        return True
+
+    def take_events(self) -> list[Any]:
+        """KV events since the last call: blocks stored in Redis, blocks a reset dropped."""
+        return self._stored_blocks.take() if self._stored_blocks is not None else []
 
     def _found(self, plans: tuple[ChunkPlan, ...]) -> tuple[int, int]:
         """The longest prefix of the prompt stored in this engine's split of KV heads, or, where that is not
@@ -315,10 +424,14 @@ class KVRedisScheduler:
         if state is None:
             context = request_context(request, self._adapters, multimodal_hashed=self._multimodal_hashed)
             params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+            generation = self._generation.known
             state = self._requests[request.request_id] = _RequestState(
-                context.digest, context.unsupported, bool(params.get("do_remote_decode")),
-                self._announcement(request, params, context.digest) if self._consumer else None,
+                context.digest, generation, context.unsupported, bool(params.get("do_remote_decode")),
+                self._announcement(request, params, context.digest)
+                if self._consumer else None,
                 bool(params))
+            if self._stored_blocks is not None:
+                state.request = request
             if context.unsupported:
                 self.counts.add(skipped_requests=1)
                 self._warn_once(("unsupported", context.unsupported),
@@ -327,9 +440,9 @@ class KVRedisScheduler:
                                 context.unsupported)
         return state
 
-    def _announcement(self, request: Any, params: Any, context: str) -> _Announcement | None:
+    def _announcement(self, request: Any, params: Any, base_context: str) -> _Announcement | None:
         """What the producer said of its transfer, checked against this engine and this request (its tokens
-        and ``context`` digest); ``None`` if nothing."""
+        and ``base_context`` digest); ``None`` if nothing."""
         req_id = request.request_id
         try:
             announced = read_announcement(params)
@@ -338,6 +451,11 @@ class KVRedisScheduler:
             return None
         if announced is None:
             return None
+        # The request's context in the generation the producer stored it in: a transfer of another generation
+        # is this request's, but from before or after a reset (an engine difference, below), not another's.
+        generation = (announced.engine or {}).get(GENERATION_FIELD, 0)
+        context = with_generation(base_context, generation if type(generation) is int and generation >= 0
+                                  else self._generation.known)
         if getattr(request, "abort_immediately", False):
             # vLLM's clean-up of a request it refused (0.32+): its serving layer's stand-in for a rejected
             # request (the real id and kv_transfer_params, one token [0], no adapter or salt), or 0.34's
@@ -349,8 +467,9 @@ class KVRedisScheduler:
             # requests): its chunks' keys differ from this request's. Compute at once.
             self.counts.add(skipped_requests=1)
             self._warn_once(("context",), "request %s: its announcement names a transfer written for "
-                            "another LoRA adapter, cache_salt or multimodal input; computing the prompt here",
-                            req_id)
+                            "another LoRA adapter, cache_salt or multimodal input, or in another cache "
+                            "generation (the namespace was reset and one of the engines does not know yet); "
+                            "computing the prompt here", req_id)
             return _Announcement(announced.entry_id, ["context"], [])
         if (announced.digest is not None
                 and announced.digest != prompt_digest(token_list(request.prompt_token_ids), None, context)):
@@ -385,9 +504,13 @@ class KVRedisScheduler:
                                "or linear-attention state moves only between equal tensor-parallel sizes)")
         return parts if type(parts) is int else own
 
-    def engine_description(self) -> dict[str, Any]:
-        """This engine's side of an announcement (rank 0's identity, less the rank)."""
-        return {**self.endpoint.engine_fields(), "layers": self._kv_layers}
+    def engine_description(self, generation: int | None = None) -> dict[str, Any]:
+        """This engine's side of an announcement (rank 0's identity, less the rank), in cache generation
+        ``generation`` (``None``: the one it knows now; generation 0 is left unsaid, as before resets)."""
+        if generation is None:
+            generation = self._generation.known
+        return {**self.endpoint.engine_fields(), "layers": self._kv_layers,
+                **({GENERATION_FIELD: generation} if generation else {})}
 
     def _warn_once(self, cause: tuple[str, ...], message: str, *args: Any) -> None:
         if cause not in self._warned:
@@ -435,6 +558,7 @@ class KVRedisScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> KVRedisConnectorMetadata:
         """This step's loads (planned at allocation) and saves (prompts whose prefill completes now)."""
         self._step_wait_left = _STEP_LOOKUP_WAIT_S  # this is the step's end: the next one waits afresh
+        self._refresh_generation()
         meta = KVRedisConnectorMetadata(loads=list(self._pending_loads.values()))
         self._loading.update(self._pending_loads)
         self._loaded_once.update(self._pending_loads)
@@ -454,6 +578,8 @@ class KVRedisScheduler:
             if (new.prompt_token_ids is None or len(new.prompt_token_ids) <= 1 or loaded
                     or new.req_id in self._saved or state is None or state.unsupported):
                 continue
+            if state.generation != self._generation.known:
+                continue  # a reset since its lookup: KV computed from here on is stored under the new one
             # A shared prefix cache (reuse) keeps every prompt an engine prefills, for any later request.
             if state.remote_decode or self.config.store_all_prompts or self.config.reuse:
                 self._stored_any = True
@@ -462,7 +588,8 @@ class KVRedisScheduler:
                 self._prefills[new.req_id] = _Prefill(
                     token_list(new.prompt_token_ids), [list(ids) for ids in new.block_ids],
                     int(new.num_computed_tokens),
-                    state.context, new_entry_id() if state.remote_decode else None, known)
+                    state.context, new_entry_id() if state.remote_decode else None,
+                    generation=state.generation, known=known)
             elif not self._stored_any and not state.transfer_params:
                 # vLLM's offline flow (its LLM class, no proxy): no request asks for a remote decode, so
                 # nothing would ever reach Redis and the consumer would compute every prompt, unwarned.
@@ -494,6 +621,8 @@ class KVRedisScheduler:
             if not scheduled or prefill.computed + scheduled < len(prefill.token_ids):
                 continue
             del self._prefills[req_id]
+            if prefill.generation != self._generation.known:
+                continue  # its prefill overlapped a reset: part of its KV may be the old weights'
             end = resume_end(len(prefill.token_ids), self._step)
             if end == 0:
                 continue  # shorter than a Mamba state's block and a token: no reader could resume from it
@@ -510,13 +639,21 @@ class KVRedisScheduler:
             saves.append(TransferSpec(req_id, prefill.token_ids, block_ids, 0, len(prefill.token_ids),
                                       prefill.context, prefill.entry_id, computed=prefill.computed,
                                       known=prefill.known))
-            self._saved[req_id] = prefill.entry_id
+            state = self._requests.get(req_id)
+            if (self._stored_blocks is not None and state is not None and state.request is not None
+                    and (prefill.entry_id is None or self.config.reuse)):
+                # Chunks any reader may find (a transfer's are deleted once its decode took them).
+                self._stored_blocks.expect(state.request, end, self.endpoint.block_size)
+            self._saved[req_id] = prefill.entry_id, prefill.context, prefill.generation
         return saves
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Forget loads the workers report finished."""
+        """Forget loads the workers report finished; take their saves' outcomes (KV events)."""
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             self._loading.discard(req_id)
+        reports = getattr(connector_output, "kv_cache_events", None)
+        if self._stored_blocks is not None and isinstance(reports, StoreReports):
+            self._stored_blocks.report(reports)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request whose load is still writing; announce a saved prompt; release an
@@ -534,14 +671,20 @@ class KVRedisScheduler:
         self._pending_loads.pop(req_id, None)
         params = None
         if req_id in self._saved:
-            entry_id = self._saved.pop(req_id)
+            entry_id, context, generation = self._saved.pop(req_id)
             if entry_id is not None:
-                context = state.context if state is not None else ""
                 tokens = token_list(request.prompt_token_ids)
                 params = Announcement(
-                    entry_id, prompt_digest(tokens, None, context), context, self.engine_description(),
-                    tuple(self._shards), len(tokens)).to_params()
+                    entry_id, prompt_digest(tokens, None, context), context,
+                    self.engine_description(generation), tuple(self._shards), len(tokens)).to_params()
         return req_id in self._loading, params
+
+    def hit_source(self, request: Any) -> str:
+        """Where the tokens this request loads come from, as vLLM's ``CacheHitSource`` names tiers:
+        ``"p2p"`` for a transfer a prefill announced (KV moved from another vLLM instance), ``"host"`` for
+        a prefix found in the shared cache (KV kept in Redis's memory, for any engine)."""
+        spec = self._pending_loads.get(request.request_id)
+        return "p2p" if spec is not None and spec.entry_id is not None else "host"
 
     def may_load_async(self, request: Any) -> bool:
         """Whether this request's KV may load asynchronously: an announced transfer that fits this engine.

@@ -358,16 +358,19 @@ class KVRedisWorker:
                     copied_out += pages.numel() * pages.element_size()
         except KVRedisError as exc:
             self.counts.add(save_failures=1)
+            self.endpoint.outcomes.add(spec.req_id, False)
             logger.warning("request %s: KV of %d tokens not saved to Redis: %s", spec.req_id,
                            len(spec.token_ids), exc)
         except Exception:  # on a writer thread nobody waits for: say so, or it vanishes in its future
             self.counts.add(save_failures=1)
+            self.endpoint.outcomes.add(spec.req_id, False)
             logger.exception("request %s: unexpected error saving KV of %d tokens to Redis", spec.req_id,
                              len(spec.token_ids))
         else:
             self.endpoint.metrics.stored(saved.nbytes, time.monotonic() - started)
             self.counts.add(saved_requests=1, saved_tokens=len(spec.token_ids), written_chunks=saved.written,
                             present_chunks=saved.present, written_bytes=saved.nbytes, copied_bytes=copied_out)
+            self.endpoint.outcomes.add(spec.req_id, True)  # for KV events (kvredis.vllm.events)
             self._report_late_save(spec, handed_at, started)
 
     def _report_late_save(self, spec: TransferSpec, handed_at: float, started: float) -> None:

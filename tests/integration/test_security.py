@@ -36,6 +36,7 @@ from kvredis.buffer import RedisLookupBuffer
 from kvredis.chunk_store import PageFormat
 from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
+from kvredis.generation import Generation, generation_key
 from kvredis.keys import CacheIdentity, new_entry_id
 from kvredis.tally import Tally, tally_key
 from kvredis.transfer import Transfers
@@ -381,7 +382,7 @@ def test_a_user_lacking_any_command_of_the_rule_fails_clearly(acl_server, namesp
 
 
 CHUNK_COMMANDS = ("exists", "evalsha", "script|load", "set", "sadd", "srem", "scard", "pexpire", "get", "del",
-                  "getrange", "getex", "rpush", "multi", "exec", "blpop", "hincrby")
+                  "getrange", "getex", "rpush", "multi", "exec", "blpop", "hincrby", "incr")
 """The commands the vLLM connector's chunk store sends, its scripts' included (ACL checks those too);
 README's rule for connector users lists exactly these."""
 
@@ -425,6 +426,9 @@ def transfer_round_trip(url: str, namespace: str, admin: Any) -> None:
         tally.send()
         assert admin.hgetall(tally_key(namespace)) == {b"lookup_tokens": b"39", b"found_tokens": b"32"}
         admin.delete(tally_key(namespace))
+        generation = Generation(store, namespace)  # what a scheduler reads with each lookup, and a reset
+        assert generation.read() == 0 and generation.bump() == 1 and generation.read() == 1
+        admin.delete(generation_key(namespace))
         left = list(admin.scan_iter(match=f"{namespace}:*"))
         assert len(left) == 3  # the chunks, for any reader
         admin.delete(*left)

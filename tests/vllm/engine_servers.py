@@ -118,15 +118,16 @@ def checkout_env() -> dict[str, str]:
 def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any] | None,
                  single_process: bool = False, tensor_parallel: int = 1, *, serve: bool = False,
                  block_size: int = BLOCK_SIZE, max_model_len: int = 2048,
-                 extra_args: Sequence[str] = (), dtype: str = "float32") -> Server:
+                 extra_args: Sequence[str] = (), dtype: str = "float32",
+                 env: dict[str, str] | None = None) -> Server:
     """Start an engine. ``single_process`` runs its worker inside the engine core process (one process
     less to start on 2 cores); the engines with the connector keep vLLM's default processes.
     ``tensor_parallel`` > 1 shards the model over that many worker processes. ``serve`` starts it as
     operators do, with ``vllm serve`` (run as ``python -m vllm.entrypoints.cli.main``, the same program as
-    the ``vllm`` console script); ``extra_args`` go on its command line."""
+    the ``vllm`` console script); ``extra_args`` go on its command line, ``env`` in its environment."""
     port = free_port()
     log = folder / f"{name}.log"
-    env = checkout_env()
+    env = {**checkout_env(), **(env or {})}
     if serve:
         args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
     else:

@@ -18,6 +18,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
+from kvredis.generation import generation_key
 from kvredis.tally import tally_key
 
 STEP_TIMEOUT_S = 10.0
@@ -35,9 +36,9 @@ def new_request(req_id: str, prompt: list[int], max_tokens: int = 2, params: dic
 
 
 def finish_step(scheduler: Any, output: Any, sampled: dict[str, list[int]], kv_output: KVConnectorOutput,
-                stats: Counter[str], finished: dict[str, Any]) -> None:
-    """Hand the scheduler the step's model-runner output; add the connector's stats to ``stats`` and the
-    requests that finished to ``finished``."""
+                stats: Counter[str], finished: dict[str, Any], samples: Counter[str] | None = None) -> None:
+    """Hand the scheduler the step's model-runner output; add the connector's counts to ``stats`` (the number
+    of its latency and size samples to ``samples``) and the requests that finished to ``finished``."""
     ids = list(sampled)
     extra = {}
     if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}:  # not 0.34
@@ -48,30 +49,42 @@ def finish_step(scheduler: Any, output: Any, sampled: dict[str, list[int]], kv_o
         kv_connector_output=None if kv_output.is_empty() else kv_output, **extra)
     for outputs in scheduler.update_from_output(output, runner_output).values():
         if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
-            stats.update(outputs.scheduler_stats.kv_connector_stats)
+            add_counts(stats, outputs.scheduler_stats.kv_connector_stats, samples)
         for engine_output in outputs.outputs:
             if engine_output.finish_reason is not None:
                 finished[engine_output.request_id] = engine_output
 
 
-def wait_saved(worker: Any, stats: Counter[str]) -> None:
+def wait_saved(worker: Any, stats: Counter[str], samples: Counter[str] | None = None) -> None:
     """Until the worker-role connector's writer threads stored every prompt handed to them; their counts join
-    ``stats`` (vLLM would collect them at its next step)."""
+    ``stats`` (and ``samples``, as :func:`add_counts`; vLLM would collect them at its next step)."""
     deadline = time.monotonic() + STEP_TIMEOUT_S
     while worker.worker._saves_in_flight:
         assert time.monotonic() < deadline, "a save did not finish"
         time.sleep(0.002)
     late = worker.get_kv_connector_stats()
     if late is not None:
-        stats.update(late.reduce())
+        add_counts(stats, late.data, samples)
+
+
+def add_counts(stats: Counter[str], data: dict[str, Any], samples: Counter[str] | None = None) -> None:
+    """Add a report's counts to ``stats``, and to ``samples`` the number of samples of each of its series
+    (loads', stores' and lookups' times and sizes)."""
+    for name, value in data.items():
+        if not isinstance(value, list):
+            stats[name] += value
+        elif samples is not None:
+            samples[name] += len(value)
 
 
 def redis_keys(url: str, namespace: str) -> list[bytes]:
-    """The namespace's keys but its tally (the schedulers' lookup counts, not KV)."""
+    """The namespace's keys but its tally (the schedulers' lookup counts, not KV) and its cache generation
+    (made by a reset, kept)."""
     client = redis.Redis.from_url(url)
+    besides = {tally_key(namespace).encode(), generation_key(namespace).encode()}
     try:
         return sorted(key for key in client.scan_iter(match=f"{namespace}:*", count=1000)
-                      if key != tally_key(namespace).encode())
+                      if key not in besides)
     finally:
         client.close()
 
@@ -86,10 +99,12 @@ def lookups_ready(connector: Any) -> None:
 
 
 def delete_namespace(url: str, namespace: str) -> None:
-    """Delete what a test left in its namespace (a failed test's keys, the schedulers' tally)."""
+    """Delete what a test left in its namespace (a failed test's keys, the schedulers' tally, its cache
+    generation)."""
     client = redis.Redis.from_url(url)
     try:
-        client.delete(*redis_keys(url, namespace), tally_key(namespace).encode())
+        client.delete(*redis_keys(url, namespace), tally_key(namespace).encode(),
+                      generation_key(namespace).encode())
     finally:
         client.close()
 

@@ -100,6 +100,7 @@ class Engine(Stepped):
     redis_url: str
     namespace: str
     stats: Counter[str] = dataclasses.field(default_factory=Counter)  # kv_connector_stats, as vLLM logs them
+    samples: Counter[str] = dataclasses.field(default_factory=Counter)  # latency and size samples, by series
     finished: dict[str, Any] = dataclasses.field(default_factory=dict)  # request id -> final output
     recved: set[str] = dataclasses.field(default_factory=set)  # reported in finished_recving
     invalid_blocks: list[set[int]] = dataclasses.field(default_factory=list)
@@ -146,13 +147,15 @@ class Engine(Stepped):
         sending, recving = worker.get_finished(output.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
         stats = worker.get_kv_connector_stats()
+        events = worker.get_kv_connector_kv_cache_events()  # as vLLM's model runner collects them
         worker.clear_connector_metadata()
         if invalid:
             self.invalid_blocks.append(set(invalid))
         self.recved |= set(recving or ())
         kv_output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                      invalid_block_ids=invalid, kv_connector_stats=stats)
-        finish_step(self.scheduler, output, sampled, kv_output, self.stats, self.finished)
+                                      invalid_block_ids=invalid, kv_connector_stats=stats,
+                                      kv_cache_events=events)
+        finish_step(self.scheduler, output, sampled, kv_output, self.stats, self.finished, self.samples)
         return output
 
     def _forward(self, output: Any) -> dict[str, list[int]]:
@@ -192,7 +195,7 @@ class Engine(Stepped):
 
     def wait_saved(self) -> None:
         """Until the writer threads stored every entry handed to them (their counts join ``stats``)."""
-        wait_saved(self.worker, self.stats)
+        wait_saved(self.worker, self.stats, self.samples)
 
     def wait_loaded(self, req_id: str) -> None:
         """Until the request's load has finished, no step run: finished on its thread (reported with the next
@@ -246,10 +249,11 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
 
     def make(role: str, url: str = real_redis_url, policy: str = "recompute", num_blocks: int = NUM_BLOCKS,
              scheduler_settings: dict[str, Any] | None = None, model_settings: dict[str, Any] | None = None,
-             layers: tuple[str, ...] = LAYERS, **settings: Any) -> Engine:
+             layers: tuple[str, ...] = LAYERS, vllm_settings: dict[str, Any] | None = None,
+             **settings: Any) -> Engine:
         """``scheduler_settings`` and ``model_settings``: more of ``SchedulerConfig``'s and ``ModelConfig``'s
-        fields; ``layers``: the paged caches (the fake forward writes ``LAYERS``); ``settings``: the
-        connector's."""
+        fields; ``layers``: the paged caches (the fake forward writes ``LAYERS``); ``vllm_settings``: more of
+        ``VllmConfig``'s (``kv_events_config``); ``settings``: the connector's."""
         extra = {"url": url, "namespace": namespace, "pop_timeout_s": 2.0, **settings}
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=MAX_LEN,
@@ -263,6 +267,7 @@ def make_engine(tiny_model: Path, real_redis_url: str) -> Iterator[Callable[...,
                 kv_connector="KVRedisConnector", kv_connector_module_path="kvredis.vllm", kv_role=role,
                 kv_connector_extra_config=extra, kv_load_failure_policy=policy),
             device_config=DeviceConfig("cpu"),
+            **(vllm_settings or {}),
         )
         vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the engine core resolves it before connectors
         vllm_config.cache_config.num_gpu_blocks = num_blocks
