@@ -12,7 +12,7 @@ from kvredis import chunk_store as chunk_store_module
 from kvredis import codec
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.chunk_keys import ChunkPlan
-from kvredis.chunk_store import ChunkStore, PageFormat
+from kvredis.chunk_store import ChunkRead, ChunkStore, PageFormat
 from kvredis.keys import context_digest
 
 BLOCK = 16
@@ -291,15 +291,13 @@ def test_two_writers_of_one_chunk_at_once_leave_one_good_copy(chunk_store: Chunk
 # --- reads in pieces: one snapshot of one value, never two values' bytes ------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["real"])
-def test_a_chunk_rewritten_while_it_is_read_in_pieces_reads_as_one_value(
-        make_buffer: Callable[..., RedisLookupBuffer]) -> None:
-    # Without checksums, only the read's atomicity stands between a reader and a mix of two values. With
-    # nothing requested ahead, pieces read in round trips of their own would mix (273 reads of 300 did in a
-    # trial with plain GETRANGEs): the pieces of one value are one transaction.
-    buffer = make_buffer(ttl_s=60, chunk_bytes=PIECE, checksum=False, inflight_bytes=1)
+def reads_while_rewritten(make_buffer: Callable[..., RedisLookupBuffer], checksum: bool,
+                          reads: int = 300) -> tuple[list[ChunkRead], list[torch.Tensor]]:
+    """``reads`` reads of one chunk (in 4 KiB pieces, one requested at a time) while another connection
+    writes two versions of it in turn; the reads, and the two versions' pages."""
+    buffer = make_buffer(ttl_s=60, chunk_bytes=PIECE, checksum=checksum, inflight_bytes=1)
     store = ChunkStore(buffer.store, buffer.keyspace.prefix, ttl_ms=60_000, block_size=BLOCK,
-                       max_chunk_bytes=1 << 20, checksum=False)
+                       max_chunk_bytes=1 << 20, checksum=checksum)
     plan = ChunkPlan.of(list(range(32)), CHUNK)
     key = store.keys.chunk(plan.digests[0])
     versions = [pages_of(plan, 0, seed) for seed in range(2)]
@@ -316,17 +314,28 @@ def test_a_chunk_rewritten_while_it_is_read_in_pieces_reads_as_one_value(
     thread = threading.Thread(target=rewrite)
     thread.start()
     try:
-        seen = set()
-        for _ in range(300):
-            read = store.read(plan, [0], FORMAT)[0]
-            assert read.pages is not None, read.cause
-            matches = [i for i, pages in enumerate(versions) if torch.equal(read.pages, pages)]
-            assert len(matches) == 1, "a read mixed two values"
-            seen.add(matches[0])
+        return [store.read(plan, [0], FORMAT)[0] for _ in range(reads)], versions
     finally:
         stop.set()
         thread.join()
-    assert seen == {0, 1}  # the writer did change the value between reads
+
+
+def version_of(read: ChunkRead, versions: list[torch.Tensor]) -> int:
+    """Which version a read's pages are, asserting they are exactly one of them."""
+    matches = [i for i, pages in enumerate(versions) if torch.equal(read.pages, pages)]
+    assert len(matches) == 1, "a read returned two values' bytes"
+    return matches[0]
+
+
+@pytest.mark.parametrize("backend", ["real"])
+def test_a_chunk_rewritten_while_it_is_read_in_pieces_reads_as_one_value(
+        make_buffer: Callable[..., RedisLookupBuffer]) -> None:
+    # Without checksums, only the read's atomicity stands between a reader and a mix of two values. With
+    # nothing requested ahead, pieces read in round trips of their own would mix (273 reads of 300 did in a
+    # trial with plain GETRANGEs): the pieces of one value are one transaction.
+    reads, versions = reads_while_rewritten(make_buffer, checksum=False)
+    assert all(read.pages is not None for read in reads), {read.cause for read in reads}
+    assert {version_of(read, versions) for read in reads} == {0, 1}  # the value did change between reads
 
 
 @pytest.mark.parametrize("backend", ["real"])
@@ -334,41 +343,12 @@ def test_a_chunk_rewritten_between_its_pieces_is_a_miss_never_mixed_bytes(
         make_buffer: Callable[..., RedisLookupBuffer]) -> None:
     # With checksums the pieces are plain pipelined GETRANGEs (no transaction: Redis would build its whole
     # reply first). Two values' pieces fail the pages' checksum: a read is one value whole, or a miss.
-    buffer = make_buffer(ttl_s=60, chunk_bytes=PIECE, inflight_bytes=1)
-    store = ChunkStore(buffer.store, buffer.keyspace.prefix, ttl_ms=60_000, block_size=BLOCK,
-                       max_chunk_bytes=1 << 20)
-    plan = ChunkPlan.of(list(range(32)), CHUNK)
-    key = store.keys.chunk(plan.digests[0])
-    versions = [pages_of(plan, 0, seed) for seed in range(2)]
-    blobs = [store.encode(plan, 0, pages).to_bytes() for pages in versions]
-    writer = buffer.store.redis
-    writer.set(key, blobs[0])
-    stop = threading.Event()
-
-    def rewrite() -> None:
-        while not stop.is_set():
-            for blob in blobs:
-                writer.set(key, blob, px=60_000)
-
-    thread = threading.Thread(target=rewrite)
-    thread.start()
-    causes: set[str] = set()
-    seen = set()
-    try:
-        for _ in range(300):
-            read = store.read(plan, [0], FORMAT)[0]
-            causes.add(read.cause)
-            if read.pages is None:
-                assert read.cause in ("corrupt", "absent"), read.cause  # mixed, or deleted as such
-                continue
-            matches = [i for i, pages in enumerate(versions) if torch.equal(read.pages, pages)]
-            assert len(matches) == 1, "a read returned two values' bytes"
-            seen.add(matches[0])
-    finally:
-        stop.set()
-        thread.join()
+    reads, versions = reads_while_rewritten(make_buffer, checksum=True)
+    misses = [read.cause for read in reads if read.pages is None]
+    assert set(misses) <= {"corrupt", "absent"}  # mixed (dropped), or read just after that drop
+    seen = {version_of(read, versions) for read in reads if read.pages is not None}
     assert seen  # reads did succeed between rewrites
-    assert "corrupt" in causes or seen == {0, 1}  # the writer did change the value under the reader
+    assert "corrupt" in misses or seen == {0, 1}  # the writer did change the value under the reader
 
 
 @pytest.mark.parametrize("backend", ["real"])
