@@ -26,10 +26,7 @@ import functools
 import hashlib
 import itertools
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -144,7 +141,6 @@ class ChunkStore:
         self.block_size = block_size
         self.max_chunk_bytes = max_chunk_bytes
         self.checksum = checksum
-        self._lanes: ThreadPoolExecutor | None = None
 
     def ttl_at(self, index: int) -> int:
         """The TTL of a prompt's chunk ``index``, in ms: shorter the further the chunk lies (by up to a
@@ -456,15 +452,15 @@ class ChunkStore:
         one_reply = max(piece, self.store.config.inflight_bytes)
         sizes = [self._payload_nbytes(plan, index, page_format) for index in indexes]
         out = None if into is not None else fresh_output(sum(sizes)).numpy().data.cast("B")
-        # A large read goes over two connections at once, each chunk whole on one of them: one connection
-        # alone leaves Redis and the socket idle in turn (docs/benchmarks.md).
-        lanes = [_Lane(before)]
-        if len(indexes) > 1 and sum(sizes) >= _TWO_LANES_BYTES:
-            lanes.append(_Lane())
+        commands: list[tuple[Any, ...]] = list(before)
+        places: list[resp.Place | None] = [None] * len(before)
+        if before and on_before is not None:
+            places[0] = _noticing(on_before)
+        costs: list[int] = [0] * len(before)
         reads: list[_Read] = []
         offset = 0
         snapshot = not self.checksum
-        for position, (index, key, size) in enumerate(zip(indexes, keys, sizes, strict=True)):
+        for index, key, size in zip(indexes, keys, sizes, strict=True):
             ttl = self.ttl_at(index)
             if into is None:
                 assert out is not None
@@ -474,12 +470,12 @@ class ChunkStore:
                                                                   page_format))
             offset += size
             reads.append(read)
-            read.lane = position % len(lanes)
-            lane = lanes[read.lane]
-            read.first = read.last = len(lane.commands)
+            read.first = read.last = len(commands)
             read.stop = read.first + 1
             if size <= one_reply:
-                lane.add(("GETEX", key, "PX", ttl) if refresh_ttl else ("GET", key), read.place_whole, size)
+                commands.append(("GETEX", key, "PX", ttl) if refresh_ttl else ("GET", key))
+                places.append(read.place_whole)
+                costs.append(size)
                 continue
             # The header is what precedes the payload's ``size`` bytes; the pieces are counted from the end.
             ranges = [("GETRANGE", key, 0, -size - 1)]
@@ -488,85 +484,35 @@ class ChunkStore:
             expiry = [("PEXPIRE", key, ttl)] if refresh_ttl else []
             if snapshot:
                 group = [("MULTI",), *ranges, *expiry, ("EXEC",)]
-                read.last = len(lane.commands) + len(group) - 1
+                read.last = len(commands) + len(group) - 1
                 read.stop = read.last + 1
-                for command in group[:-1]:
-                    lane.add(command)
-                lane.add(group[-1], read.place_in_exec, size)
+                commands += group
+                places += [None] * (len(group) - 1) + [read.place_in_exec]
+                costs += [0] * (len(group) - 1) + [size]
                 continue
-            read.last = len(lane.commands) + len(ranges) - 1
+            read.last = len(commands) + len(ranges) - 1
             read.stop = read.last + 1 + len(expiry)
-            lane.add(ranges[0])
-            for number, (command, start) in enumerate(zip(ranges[1:], range(0, size, piece), strict=True)):
-                lane.add(command, read.piece_place(number), min(piece, size - start))
-            for command in expiry:
-                lane.add(command)
+            commands += ranges + expiry
+            places += [None] + [read.piece_place(j) for j in range(len(ranges) - 1)] + [None] * len(expiry)
+            costs += [0] + [min(piece, size - start) for start in range(0, size, piece)] + [0] * len(expiry)
+        first_after = len(commands)
+        commands += after
+        places += [None] * len(after)
+        costs += [0] * len(after)
         window = self.store.config.inflight_bytes
         if snapshot:  # Redis makes a transaction's whole reply before sending any: two in flight at least
             window = max(window, 2 * max(sizes, default=0))
-        if len(lanes) == 1:
-            first_after = len(lanes[0].commands)
-            for command in after:
-                lanes[0].add(command)
-            lanes[0].notice(on_before)
-            replies = self.store.pipeline(client, lanes[0].commands, lanes[0].places, lanes[0].costs, window)
-            if replies is None:
-                return None
-            values = [read.value(replies) for read in reads]
-            after_replies = replies[first_after:]
-        else:
-            read_replies = self._two_lanes(client, lanes, window, on_before)
-            if read_replies is None:
-                return None
-            replies = read_replies[0]
-            values = [None if read_replies[read.lane] is None else read.value(read_replies[read.lane])
-                      for read in reads]
-            # After every read of both connections: a release must not delete a chunk still being read.
-            after_replies = (self.store.call(client, *after) or []) if after else []
+        replies = self.store.pipeline(client, commands, places, costs, window)
+        if replies is None:
+            return None
+        values = [read.value(replies) for read in reads]
         again = [i for i, value in enumerate(values) if value is _AGAIN]
         if again:
             whole = self._fetch(self.store.redis, [keys[i] for i in again],
                                 self._ttls([indexes[i] for i in again]) if refresh_ttl else None)
             for i, value in zip(again, whole, strict=True):
                 values[i] = value
-        return (replies[0] if before else None), values, after_replies
-
-    def _two_lanes(self, client: Any, lanes: list[_Lane], window: int,
-                   on_before: Callable[[], None] | None) -> list[Any] | None:
-        """Each lane's replies, the first lane's on ``client``, the second's on another connection at the
-        same time, started once the first lane's ``before`` (a transfer's pop) answered, so no chunk is read
-        before its record came. The second lane's replies are ``None`` when that never happened (no record
-        came: its chunks read as absent); ``None`` for a stand-in client. Returns only once both are over."""
-        first, second = lanes
-        started: list[Future[list[Any] | None]] = []
-
-        def start() -> None:
-            if not started:
-                started.append(self._lane_thread().submit(self.store.pipeline, self.store.redis,
-                                                          second.commands, second.places, second.costs,
-                                                          window))
-            if on_before is not None:
-                on_before()
-
-        if first.before:
-            first.notice(start)
-        else:
-            start()
-        try:
-            replies = self.store.pipeline(client, first.commands, first.places, first.costs, window)
-        finally:
-            wait_futures(started)  # never leave while the other connection still writes into the pages
-        if replies is None:
-            return None
-        return [replies, started[0].result() if started else None]
-
-    def _lane_thread(self) -> ThreadPoolExecutor:
-        """The threads second lanes run on (made at the first large read)."""
-        with _LANES_LOCK:
-            if self._lanes is None:
-                self._lanes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvredis-read")
-            return self._lanes
-
+        return (replies[0] if before else None), values, replies[first_after:]
 
     def pages_nbytes(self, plan: ChunkPlan, index: int, page_format: PageFormat) -> int:
         """The bytes of chunk ``index``'s pages in ``page_format``."""
@@ -777,8 +723,6 @@ def _aligned(nbytes: int) -> int:
 _TTL_STEPS = 1024  # chunk positions over which a prompt's TTLs shorten (ChunkStore.ttl_at)
 _HASH_AHEAD_BYTES = 32 << 20  # a write of this many bytes or more hashes on a thread while it sends
 _MIN_HEADER = codec.ALIGN  # a blob's prefix and header, padded: never less than this
-_TWO_LANES_BYTES = 16 << 20  # a read of this many bytes or more goes over two connections
-_LANES_LOCK = threading.Lock()
 _AGAIN = object()
 """A chunk read in pieces whose value did not have the layout expected: to be fetched again whole."""
 
@@ -860,33 +804,12 @@ class _Split:
         return bytearray(self.header) + self.payload.join()
 
 
-class _Lane:
-    """The commands one connection sends for a read (``before`` first), where their replies go, and what
-    each costs in bytes in flight."""
-
-    def __init__(self, before: Sequence[tuple[Any, ...]] = ()) -> None:
-        self.before = list(before)
-        self.commands: list[tuple[Any, ...]] = list(before)
-        self.places: list[resp.Place | None] = [None] * len(before)
-        self.costs: list[int] = [0] * len(before)
-
-    def add(self, command: tuple[Any, ...], place: resp.Place | None = None, cost: int = 0) -> None:
-        self.commands.append(command)
-        self.places.append(place)
-        self.costs.append(cost)
-
-    def notice(self, call: Callable[[], None] | None) -> None:
-        """Call ``call`` as the reply of ``before`` starts to arrive."""
-        if self.before and call is not None:
-            self.places[0] = _noticing(call)
-
-
 class _Read:
     """Where one chunk's reply goes: the payload where its :class:`Scatter` says (made when the reply
     arrives), the header into a buffer of its own. Its ``place_*`` methods are the reply's
     :data:`kvredis.resp.Place`."""
 
-    __slots__ = ("first", "header", "lane", "last", "make", "payload", "piece", "pieces", "size", "stop")
+    __slots__ = ("first", "header", "last", "make", "payload", "piece", "pieces", "size", "stop")
 
     def __init__(self, size: int, piece: int, payload: Scatter | None,
                  make: Callable[[], Scatter] | None = None) -> None:
@@ -897,7 +820,6 @@ class _Read:
         # The indexes of its first and last commands (GET; the header's GETRANGE and the last piece's, or
         # MULTI and EXEC), and the first after its own (a TTL's restart included).
         self.first = self.last = self.stop = 0
-        self.lane = 0  # the connection it is read on (:class:`_Lane`)
         self.header: bytearray | None = None
         self.pieces = -1  # bulk replies of a transaction's read seen so far (-1: the header's next)
 

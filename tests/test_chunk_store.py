@@ -21,14 +21,11 @@ FORMAT = PageFormat(torch.float16, layers=3, page_shape=(2, BLOCK, 32))  # 12 Ki
 PIECE = 4096  # KVREDIS_CHUNK_BYTES's least: a chunk's 24 KiB of pages are read in 7 pieces
 
 
-@pytest.fixture(params=["whole", "pieces", "two connections"])
-def chunk_store(make_buffer: Callable[..., RedisLookupBuffer], request: pytest.FixtureRequest,
-                monkeypatch: pytest.MonkeyPatch) -> Iterator[ChunkStore]:
-    """A chunk store whose chunks are read whole (one GET each), in pieces (pipelined GETRANGEs), or in
-    pieces over two connections at once (any read of two chunks or more)."""
-    pieces = request.param != "whole"
-    if request.param == "two connections":
-        monkeypatch.setattr(chunk_store_module, "_TWO_LANES_BYTES", 1)
+@pytest.fixture(params=["whole", "pieces"])
+def chunk_store(make_buffer: Callable[..., RedisLookupBuffer], request: pytest.FixtureRequest
+                ) -> Iterator[ChunkStore]:
+    """A chunk store whose chunks are read whole (one GET each) or in pieces (pipelined GETRANGEs)."""
+    pieces = request.param == "pieces"
     buffer = make_buffer(ttl_s=60, chunk_bytes=PIECE if pieces else 1 << 20,
                          inflight_bytes=2 * PIECE if pieces else 4 << 20)
     yield ChunkStore(buffer.store, buffer.keyspace.prefix, ttl_ms=60_000, block_size=BLOCK,

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvredis import chunk_store as chunk_store_module
 from kvredis import codec
 from kvredis import transfer as transfer_module
 from kvredis.buffer import RedisLookupBuffer
@@ -23,13 +22,6 @@ from kvredis.transfer import Taken, Transfers
 BLOCK = 16
 CHUNK = 32
 FORMAT = PageFormat(torch.float32, layers=2, page_shape=(2, BLOCK, 4))
-
-
-@pytest.fixture(autouse=True, params=["one connection", "two connections"])
-def read_lanes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every take read on one connection, or (any size) on two at once, the second started by the record."""
-    if request.param == "two connections":
-        monkeypatch.setattr(chunk_store_module, "_TWO_LANES_BYTES", 1)
 
 
 @pytest.fixture(params=["writes all", "asks first"])
@@ -298,8 +290,6 @@ def test_a_save_that_fails_after_its_record_went_out_leaves_nothing(make_transfe
 @pytest.mark.parametrize("backend", ["real"])
 def test_a_small_save_and_a_take_are_one_round_trip_each(make_transfers,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    # A small take stays on one connection (only reads of 16 MiB and more use a second).
-    monkeypatch.setattr(chunk_store_module, "_TWO_LANES_BYTES", 16 << 20)
     transfers = make_transfers()
     warm = transfers.plan(list(range(100, 200)))  # the server loads the scripts once (a round trip more)
     transfers.save(warm, prompt_pages(100), transfer_id=(transfer := new_entry_id()))

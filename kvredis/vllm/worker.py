@@ -766,13 +766,11 @@ class _BlockPlacement:
         self._layers = layers
         self._gate = gate
         self._held = False
-        self._lock = threading.Lock()  # a large read places chunks from two connections' threads
 
     def __call__(self, index: int) -> list[memoryview]:
-        with self._lock:
-            if not self._held:
-                self._gate.enter()
-                self._held = True
+        if not self._held:
+            self._gate.enter()
+            self._held = True
         start, stop = self._plan.span(index)
         chunk_blocks = range(start // self._block_size, -(-stop // self._block_size))
         out: list[memoryview] = []
@@ -800,7 +798,6 @@ class _BlockPlacement:
 
     def done(self) -> None:
         """The read is over: release the write gate if a placement took it."""
-        with self._lock:
-            if self._held:
-                self._held = False
-                self._gate.leave()
+        if self._held:
+            self._held = False
+            self._gate.leave()
