@@ -24,6 +24,7 @@ import requests
 pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
 
 import torch
+from conftest import BLOCK_SIZE
 from engine_servers import (
     DECODE_TOKENS,
     REQUEST_TIMEOUT_S,
@@ -50,6 +51,8 @@ from kvredis.tinymodel import prompt_text
 START_TIMEOUT_S = 300.0
 CHUNK_TOKENS = KVRedisConfig().chunk_tokens  # the default, a multiple of the engines' block size
 LENGTHS = [5, 20, 31, 32, 33, 64, 65, 100, 257, 513, 1000, 1500]
+BLOCK_PAGES_BYTES = 2 * (2 * 2 * BLOCK_SIZE * 64 * 4)  # a block's pages in the tiny Llama's 2 layers (K and V
+# of 2 KV heads of 64, float32): kvredis.tinymodel's defaults
 """Prompt lengths: shorter than a block (5, 20, 31), whole blocks (32, 64), k*32+1 (33, 65, 257, 513),
 ~1000 tokens and more."""
 
@@ -134,8 +137,10 @@ def test_decode_matches_an_engine_without_connector_and_loads_every_prompt(deplo
     # Distinct prompts, none in the decode's prefix cache: it read every chunk the prefill wrote, no more.
     written = prefill_delta.get("written_bytes", 0)
     assert decode_delta == {"loaded_requests": len(prompts), "loaded_tokens": loaded, "loaded_bytes": written}
+    # Copied out of the prefill's cache: every block's pages of every stored position (nothing was in Redis).
+    copied = sum(-(-(len(p) - 1) // BLOCK_SIZE) for p in prompts) * BLOCK_PAGES_BYTES
     assert prefill_delta == {"saved_requests": len(prompts), "saved_tokens": loaded + len(prompts),
-                             "written_chunks": chunks, "written_bytes": written}
+                             "written_chunks": chunks, "written_bytes": written, "copied_bytes": copied}
     assert written > 0
     assert deployment.stored_keys() == []
 
