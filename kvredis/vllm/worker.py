@@ -510,11 +510,7 @@ class KVRedisWorker:
                                                                                for _, _, t in takes])
                                                       for i in range(count)])
             loaded = min(spec.stop, assembled.stop(plan)) if assembled.chunks else first
-            for at, run in _runs(assembled.first, assembled.chunks):
-                # Chunks received in place are in their blocks already; the others are written now.
-                run_start, run_stop = plan.span(at)[0], plan.span(at + len(run) - 1)[1]
-                self._write_chunks(spec, number, plan, at, run, max(first, run_start), min(loaded, run_stop),
-                                   after)
+            self._write_chunks(spec, number, plan, assembled.first, assembled.chunks, first, loaded, after)
             missed = [(store, transfer_id, t.cause) for store, transfer_id, t in takes if t.cause != "hit"]
             for store, transfer_id, cause in missed:
                 late = late or cause == "late"
@@ -571,18 +567,22 @@ class KVRedisWorker:
                                 if view is not None], self._cache_writes)
 
     def _write_chunks(self, spec: TransferSpec, number: int, plan: ChunkPlan, first: int,
-                      chunks: list[torch.Tensor], start: int, loaded: int,
+                      chunks: list[torch.Tensor | None], start: int, loaded: int,
                       after: staging.Event | None) -> None:
         """Write series ``number``'s pages of the blocks holding positions ``start..loaded-1`` into the
         request's blocks (each layer's group's), from ``chunks`` (the plan's chunk ``first`` on), a chunk at a
-        time (no copy of them joined). Blocks before ``spec.start`` are the local prefix cache's, shared with
-        other requests: never written."""
+        time (no copy of them joined); a chunk received in place (``None``) is in its blocks already. Blocks
+        before ``spec.start`` are the local prefix cache's, shared with other requests: never written."""
+        if all(chunk is None for chunk in chunks):
+            return
         series = self._series[number]
         names = series.layers
         layout = self._layouts[names[0]]
         copies: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # a device's, queued together
         with self._cache_writes.writing():  # held until the copies ran: vLLM may release the caches after
             for index, stored in enumerate(chunks, start=first):
+                if stored is None:
+                    continue
                 chunk_start, chunk_stop = plan.span(index)
                 blocks = list(block_span(self._block_size, max(start, chunk_start), min(loaded, chunk_stop)))
                 if not blocks:
@@ -684,17 +684,6 @@ def _held(chunk: torch.Tensor | None) -> torch.Tensor:
     if chunk is None:
         raise KVRedisError("a chunk was received in place where its pages were to be assembled")
     return chunk
-
-
-def _runs(first: int, chunks: list[torch.Tensor | None]) -> Iterator[tuple[int, list[torch.Tensor]]]:
-    """The runs of chunks still to be written (not received in place), each with its first chunk's index."""
-    run: list[torch.Tensor] = []
-    for offset, chunk in enumerate([*chunks, None]):
-        if chunk is not None:
-            run.append(chunk)
-        elif run:
-            yield first + offset - len(run), run
-            run = []
 
 
 @dataclass(frozen=True)
