@@ -579,9 +579,10 @@ class ChunkStore:
             checked = self._verified_split(plan, index, header, split, page_format)
             if checked is not None:
                 return checked
-            if split.payload.in_place:  # a layout read_header refused above, or pages spread over blocks
-                return ChunkRead(index, None, "corrupt")
-            tensors = codec.decode_payload(header, split.payload.views[0], verify=self.checksum)
+            # Not a chunk's two tensors: decoded (from a copy if it lies in several buffers) to say why not.
+            views = split.payload.views
+            tensors = codec.decode_payload(header, views[0] if len(views) == 1 else split.payload.join(),
+                                           verify=self.checksum)
         except CodecError as exc:
             cause = "foreign" if "foreign" in str(exc) or "version" in str(exc) else "corrupt"
             logger.debug("chunk %d of a prompt: %s", index, exc)
