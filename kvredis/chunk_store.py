@@ -22,6 +22,7 @@ Every call is one pipelined round trip per Redis node, bounded by the client's t
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -431,8 +432,8 @@ class ChunkStore:
                       after: Sequence[tuple[Any, ...]] = (), into: PagesPlace | None = None,
                       on_before: Callable[[], None] | None = None) -> tuple[Any, list[Any], list[Any]] | None:
         """The chunks read on one server, framed by kvredis, between commands ``before`` (at most one) and
-        ``after``: the reply of ``before``, each chunk's value, the replies of ``after``; ``None`` for a
-        stand-in client. ``on_before`` is called as the reply of ``before`` starts to arrive.
+        ``after``: the reply of ``before``, each chunk's value (or its :class:`ChunkRead`, where it was
+        checked as it arrived), the replies of ``after``; ``None`` for a stand-in client. ``on_before`` is called as the reply of ``before`` starts to arrive.
 
         Each chunk's payload is received straight where it belongs: its pages where ``into`` says (an
         engine's KV blocks), or into one output buffer allocated for all of them (huge pages for large
@@ -502,10 +503,25 @@ class ChunkStore:
         window = self.store.config.inflight_bytes
         if snapshot:  # Redis makes a transaction's whole reply before sending any: two in flight at least
             window = max(window, 2 * max(sizes, default=0))
-        replies = self.store.pipeline(client, commands, places, costs, window)
+        checked: list[ChunkRead | None] = [None] * len(reads)
+        ends = {read.stop - 1: k for k, read in enumerate(reads)}
+
+        def check_arrived(at: int, replies: list[Any]) -> None:
+            # A chunk is checked as its last reply is in, while Redis sends the next one: its checksum
+            # overlaps the transfer instead of following it (and its bytes are still in the CPU's cache).
+            k = ends.get(at)
+            if k is None:
+                return
+            value = reads[k].value(replies)
+            if isinstance(value, _Split):
+                with contextlib.suppress(Exception):  # checked again after the read, and raised there
+                    checked[k] = self._verified(plan, indexes[k], value, page_format)
+
+        replies = self.store.pipeline(client, commands, places, costs, window, check_arrived)
         if replies is None:
             return None
-        values = [read.value(replies) for read in reads]
+        values = [read.value(replies) if done is None else done
+                  for read, done in zip(reads, checked, strict=True)]
         again = [i for i, value in enumerate(values) if value is _AGAIN]
         if again:
             whole = self._fetch(self.store.redis, [keys[i] for i in again],
@@ -537,7 +553,9 @@ class ChunkStore:
             if value is None:
                 reads.append(ChunkRead(index, None, "absent"))
                 continue
-            if _is_error(value):  # WRONGTYPE: a list or set planted at a chunk's key
+            if isinstance(value, ChunkRead):  # checked as it arrived (_fetch_framed)
+                read = value
+            elif _is_error(value):  # WRONGTYPE: a list or set planted at a chunk's key
                 read = ChunkRead(index, None, "foreign")
             else:
                 read = self._verified(plan, index, value, page_format)

@@ -295,10 +295,12 @@ class RedisStore:
 
     def pipeline(self, client: Any, commands: Sequence[Sequence[resp.Argument]],
                  places: Sequence[resp.Place | None], costs: Sequence[int],
-                 window_bytes: int) -> list[Any] | None:
+                 window_bytes: int,
+                 on_reply: Callable[[int, list[Any]], None] | None = None) -> list[Any] | None:
         """:func:`resp.pipeline` on a kept connection of ``client`` (bulk replies received where ``places``
-        say, about ``window_bytes`` requested ahead); ``None`` for a stand-in client, as :meth:`call`."""
-        return self._on_kept_socket(client, resp.pipeline, commands, places, costs, window_bytes)
+        say, about ``window_bytes`` requested ahead, ``on_reply`` run as each is in); ``None`` for a
+        stand-in client, as :meth:`call`."""
+        return self._on_kept_socket(client, resp.pipeline, commands, places, costs, window_bytes, on_reply)
 
     def _on_kept_socket(self, client: Any, run: Callable[..., list[Any]], *args: Any) -> list[Any] | None:
         """``run(sock, *args)`` on a kept connection of ``client``, checked in again as failed if it raised;

@@ -392,18 +392,24 @@ def call_in_groups(sock: socket.socket, groups: Iterable[Sequence[Sequence[Argum
 
 
 def pipeline(sock: socket.socket, commands: Sequence[Sequence[Argument]], places: Sequence[Place | None],
-             costs: Sequence[int], window_bytes: int) -> list[Any]:
+             costs: Sequence[int], window_bytes: int,
+             on_reply: Callable[[int, list[Any]], None] | None = None) -> list[Any]:
     """Send ``commands`` and read their replies (see :meth:`BulkReader.read_reply`; reply ``i`` is placed by
     ``places[i]``), keeping about ``window_bytes`` of replies requested ahead, by their expected sizes
     ``costs`` (at least one command is always in flight). Every command sent is read back, so the
     connection stays in step. The socket blocks meanwhile (:func:`blocking`): a reply is received in as few
-    system calls as the kernel can manage, none of them holding the GIL."""
+    system calls as the kernel can manage, none of them holding the GIL.
+
+    ``on_reply(i, replies)`` runs as reply ``i`` is in (``replies`` holds it and those before), while
+    Redis goes on sending the next into the socket's buffer: work on a value done there overlaps the
+    transfer of the next. It must not raise (the connection would be closed for being out of step)."""
     with blocking(sock):
-        return _pipeline(sock, commands, places, costs, window_bytes)
+        return _pipeline(sock, commands, places, costs, window_bytes, on_reply)
 
 
 def _pipeline(sock: socket.socket, commands: Sequence[Sequence[Argument]], places: Sequence[Place | None],
-              costs: Sequence[int], window_bytes: int) -> list[Any]:
+              costs: Sequence[int], window_bytes: int,
+              on_reply: Callable[[int, list[Any]], None] | None = None) -> list[Any]:
     reader = BulkReader(sock)
     replies: list[Any] = []
     total = len(commands)
@@ -418,6 +424,8 @@ def _pipeline(sock: socket.socket, commands: Sequence[Sequence[Argument]], place
         index = len(replies)
         replies.append(reader.read_reply(place=places[index]))
         in_flight -= costs[index]
+        if on_reply is not None:
+            on_reply(index, replies)
     return replies
 
 

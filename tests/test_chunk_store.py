@@ -427,3 +427,40 @@ def test_checksums_ahead_are_the_frames_own_and_errors_reach_the_caller() -> Non
     with pytest.raises(MemoryError):
         broken.get(1)
     broken.close()
+
+
+def test_each_chunk_is_checked_as_it_arrives_while_the_next_is_on_its_way(
+        chunk_store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read checks chunk ``i`` (its checksum included) as soon as its last reply is in, before the replies
+    of the chunks after it are read: the checks overlap the transfer instead of following it."""
+    from kvredis import resp
+
+    replies_read = [0]
+    read_reply = resp.BulkReader.read_reply
+
+    def counted(self, *args, **kwargs):
+        replies_read[0] += 1
+        return read_reply(self, *args, **kwargs)
+
+    checked_at: list[tuple[int, int]] = []
+    verified = ChunkStore._verified
+
+    def noted(self, plan, index, value, page_format):
+        checked_at.append((index, replies_read[0]))
+        return verified(self, plan, index, value, page_format)
+
+    monkeypatch.setattr(resp.BulkReader, "read_reply", counted)
+    monkeypatch.setattr(ChunkStore, "_verified", noted)
+    plan = ChunkPlan.of(list(range(96)), CHUNK)
+    write_all(chunk_store, plan)
+    replies_read[0] = 0
+    reads = chunk_store.read(plan, [0, 1, 2], FORMAT)
+    assert all(read.cause == "hit" and read.pages is not None and torch.equal(read.pages,
+                                                                               pages_of(plan, read.index))
+               for read in reads)
+    if chunk_store.store.cluster or not chunk_store.store.call(chunk_store.store.redis, ("PING",)):
+        return  # redis-py reads every reply before kvredis sees one (fakeredis, a cluster)
+    assert [index for index, _ in checked_at] == [0, 1, 2]  # each once, in order
+    total = replies_read[0] - 1  # the PING's
+    assert checked_at[0][1] < checked_at[1][1] < checked_at[2][1] <= total
+    assert checked_at[1][1] < total  # chunk 1 checked before chunk 2's replies were all read

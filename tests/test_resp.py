@@ -258,3 +258,19 @@ def test_a_stalled_reply_in_blocking_mode_times_out_at_the_sockets_bound() -> No
     assert a.gettimeout() == 0.3  # restored for redis-py's own commands
     a.close()
     b.close()
+
+
+def test_a_pipeline_hands_each_reply_on_as_it_is_in(real_socket) -> None:
+    """``on_reply`` sees reply ``i`` (and those before) as soon as it is read, before the next is read."""
+    sock, client = real_socket
+    prefix = f"t-resp-{uuid.uuid4().hex[:8]}"
+    for i in range(5):
+        client.set(f"{prefix}:{i}", b"v%d" % i, px=60_000)
+    seen: list[tuple[int, list[object]]] = []
+    replies = resp.pipeline(sock, [("GET", f"{prefix}:{i}") for i in range(5)], [None] * 5, [1] * 5, 2,
+                            lambda index, so_far: seen.append((index, list(so_far))))
+    assert [index for index, _ in seen] == [0, 1, 2, 3, 4]
+    assert all(len(so_far) == index + 1 and so_far[index] == b"v%d" % index for index, so_far in seen)
+    assert replies == [b"v%d" % i for i in range(5)]
+    client.delete(*[f"{prefix}:{i}" for i in range(5)])
+
