@@ -382,13 +382,15 @@ def call(sock: socket.socket, *commands: Sequence[Argument]) -> list[Any]:
 def call_in_groups(sock: socket.socket, groups: Iterable[Sequence[Sequence[Argument]]]) -> list[Any]:
     """:func:`call` of commands made a group at a time: each group goes out as soon as it is made (making the
     next overlaps sending this one), then every reply is read. For commands with short replies only (Redis
-    buffers what it answers meanwhile; none is read before the last group went out)."""
+    buffers what it answers meanwhile; none is read before the last group went out). The socket blocks
+    meanwhile (:func:`blocking`): a group's megabytes go out in one system call that holds no GIL."""
     count = 0
-    for group in groups:
-        send(sock, encode(group))
-        count += len(group)
-    reader = BulkReader(sock, 4096)
-    return [reader.read_reply() for _ in range(count)]
+    with blocking(sock):
+        for group in groups:
+            send(sock, encode(group))
+            count += len(group)
+        reader = BulkReader(sock, 4096)
+        return [reader.read_reply() for _ in range(count)]
 
 
 def pipeline(sock: socket.socket, commands: Sequence[Sequence[Argument]], places: Sequence[Place | None],

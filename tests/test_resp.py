@@ -274,3 +274,17 @@ def test_a_pipeline_hands_each_reply_on_as_it_is_in(real_socket) -> None:
     assert replies == [b"v%d" % i for i in range(5)]
     client.delete(*[f"{prefix}:{i}" for i in range(5)])
 
+
+def test_a_write_to_a_peer_that_stops_reading_times_out_at_the_sockets_bound() -> None:
+    """Large writes send with the socket blocking (no GIL held): a server that stops reading still ends the
+    call within the socket's bound (twice, at most: a send that moved some bytes is tried once more)."""
+    a, b = socket.socketpair()
+    a.settimeout(0.3)
+    value = memoryview(bytearray(8 << 20))  # far more than the socket's buffers hold
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        resp.call_in_groups(a, [[("SET", "k", value)]])
+    assert 0.25 < time.monotonic() - started < 5
+    assert a.gettimeout() == 0.3
+    a.close()
+    b.close()
