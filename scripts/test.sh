@@ -40,7 +40,7 @@ step "package environment ($VENV)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # torch first, pinned to the CPU wheel: a bare "torch" requirement would pull a multi-GB CUDA build.
-"$VENV/bin/python" -c 'import torch' 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -c 'import torch' 2>/dev/null || scripts/install_torch_cpu.sh "$VENV/bin/python" 2.13.0
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
 
 step "lint and types"
