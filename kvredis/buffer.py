@@ -13,7 +13,7 @@ Every key carries the TTL; a taken entry leaves no key behind.
 An entry inserted with an ``entry_id`` goes on a list of its own instead of the prompt's shared one: it is
 *announced* (the V1 connector's producer tells the decode which entry to take), and only a reader naming
 that id takes it, so an older entry of the same prompt can neither be taken in its place nor delay it.
-The prompt's key also covers a *context* digest (:func:`kvredis.keys.context_digest`): a LoRA adapter,
+The prompt's key also covers a *context* digest (:func:`kvredis.store.keys.context_digest`): a LoRA adapter,
 multimodal inputs or a tenant's salt give the same tokens another key.
 """
 
@@ -27,11 +27,11 @@ from typing import Any
 import redis
 import torch
 
-from kvredis import codec
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import CodecError, EntryTooLargeError, KVRedisError, KVRedisTimeoutError
-from kvredis.keys import (
+from kvredis.store import codec
+from kvredis.store.client import RedisStore
+from kvredis.store.keys import (
     CacheIdentity,
     EntryKeys,
     KeySpace,
@@ -41,9 +41,9 @@ from kvredis.keys import (
     new_entry_id,
     prompt_digest,
 )
-from kvredis.memory import fresh_output
-from kvredis.metrics import Metrics
-from kvredis.redis_errors import WrongTypeError
+from kvredis.store.memory import fresh_output
+from kvredis.store.metrics import Metrics
+from kvredis.store.redis_errors import WrongTypeError
 
 logger = logging.getLogger("kvredis.buffer")
 
@@ -95,8 +95,8 @@ class RedisLookupBuffer:
         """Store ``[key, value, hidden]`` for the prompt; returns once the whole entry is in Redis.
 
         ``value`` and ``hidden`` may be ``None`` (the V1 connector packs K and V into ``key``). With an
-        ``entry_id`` (from :func:`kvredis.keys.new_entry_id`) the entry is announced: only a reader naming
-        that id takes it. ``context`` is the prompt's :func:`kvredis.keys.context_digest`.
+        ``entry_id`` (from :func:`kvredis.store.keys.new_entry_id`) the entry is announced: only a reader
+        naming that id takes it. ``context`` is the prompt's :func:`kvredis.store.keys.context_digest`.
         """
         self._check_open()
         started = time.perf_counter()

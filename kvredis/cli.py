@@ -48,9 +48,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     """Print what a namespace holds, and the hit rate of its engines' lookups."""
-    from kvredis.client import RedisStore
-    from kvredis.generation import generation_key, read_generation
-    from kvredis.tally import read_tally, tally_key
+    from kvredis.store.client import RedisStore
+    from kvredis.store.generation import generation_key, read_generation
+    from kvredis.store.tally import read_tally, tally_key
 
     config = _config(args)
     store = RedisStore(config)
@@ -74,10 +74,10 @@ def cmd_purge(args: argparse.Namespace) -> int:
     """Delete every key of a namespace, asking first unless --yes.
 
     It first starts a new cache generation (as vLLM's ``reset_prefix_cache?reset_external=true`` does,
-    :func:`kvredis.generation.reset_namespace`): a chunk a writer still in flight stores after the deletion
-    is under the old generation, which no engine looks up again. The generation's key is kept."""
-    from kvredis.client import RedisStore
-    from kvredis.generation import purge_keys, reset_namespace
+    :func:`kvredis.store.generation.reset_namespace`): a chunk a writer still in flight stores after the
+    deletion is under the old generation, which no engine looks up again. The generation's key is kept."""
+    from kvredis.store.client import RedisStore
+    from kvredis.store.generation import purge_keys, reset_namespace
 
     config = _config(args)
     store = RedisStore(config)

@@ -26,7 +26,7 @@ import torch
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.errors import KVRedisError
-from kvredis.keys import CacheIdentity
+from kvredis.store.keys import CacheIdentity
 
 logger = logging.getLogger("kvredis.connector")
 

@@ -188,8 +188,8 @@ def _run_reference(running: RunningStack, request: DemoRequest, prompt: str) -> 
 
 def purge_namespace(running: RunningStack) -> None:
     """Delete what the demo left in its namespace (the reference requests' entries)."""
-    from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
+    from kvredis.store.client import RedisStore
 
     config = KVRedisConfig.from_env(overrides={"url": running.redis_url, "namespace": running.namespace})
     store = RedisStore(config)

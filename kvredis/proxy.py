@@ -30,11 +30,11 @@ from typing import Any
 import aiohttp
 from aiohttp import hdrs, web
 
-from kvredis.announcement import MalformedAnnouncement, read_announcement
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
-from kvredis.transfer import discard_transfer
+from kvredis.store.announcement import MalformedAnnouncement, read_announcement
+from kvredis.store.client import RedisStore
+from kvredis.store.transfer import discard_transfer
 
 logger = logging.getLogger("kvredis.proxy")
 _UPSTREAM_KEEPALIVE_S = 2.0

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvredis.keys import context_digest
+from kvredis.store.keys import context_digest
 
 _HASH_CHUNK = 1 << 20
 UNHASHED_MULTIMODAL = ("multimodal inputs that vLLM names by a counter, not by their content (prefix caching "

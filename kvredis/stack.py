@@ -91,8 +91,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def redis_ping(url: str, timeout_s: float = 1.0) -> bool:
     """Whether the Redis at ``url`` answers PING (any URL kvredis takes, cluster and sentinel included)."""
-    from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
+    from kvredis.store.client import RedisStore
 
     overrides = {"url": url, "connect_timeout_s": timeout_s, "socket_timeout_s": timeout_s}
     try:

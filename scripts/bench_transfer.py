@@ -76,8 +76,8 @@ LOOKUP_TARGET_S = 0.2e-3  # issue 13: the median lookup under 0.2 ms
 SWEEP_CHUNKS = ("256KiB", "1MiB", "4MiB")
 SWEEP_INFLIGHT = ("1MiB", "4MiB", "16MiB")
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
-_PRELOAD = ["torch", "numpy", "msgpack", "redis", "hiredis", "kvredis.buffer", "kvredis.client",
-            "kvredis.codec"]
+_PRELOAD = ["torch", "numpy", "msgpack", "redis", "hiredis", "kvredis.buffer", "kvredis.store.client",
+            "kvredis.store.codec"]
 
 
 # -- sizes and tensors ---------------------------------------------------------------------------------
@@ -720,8 +720,9 @@ def phases_main(conn: Any, nbytes: int, url: str, prefix: str, repeat: int) -> N
         import redis.client
         import torch
 
-        from kvredis import buffer, client, codec
+        from kvredis import buffer
         from kvredis.config import KVRedisConfig
+        from kvredis.store import client, codec
 
         timer = PhaseTimer()
         patches = [

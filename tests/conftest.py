@@ -14,6 +14,10 @@ from typing import Any
 import pytest
 import redis
 
+# tests/ for the shared helpers (processes, redis_servers, fake_device), and the folders that mirror the
+# package's layers, whose test modules others import by name (the integration tests run test_chunk_store's
+# and test_transfer's tests against a cluster). Test module names are unique across these folders.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "store"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from processes import FAKE_ENGINE

@@ -10,11 +10,12 @@ import pytest
 import torch
 from conftest import namespace_keys
 
-from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError, codec, memory
+from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError
 from kvredis import buffer as buffer_module
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
-from kvredis.keys import context_digest, new_entry_id
+from kvredis.store import codec, memory
+from kvredis.store.keys import context_digest, new_entry_id
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int8, torch.uint8]

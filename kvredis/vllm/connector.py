@@ -9,9 +9,9 @@ configuration, opens the process's :class:`~kvredis.vllm.endpoint.Endpoint` and 
 The producer (prefill) saves the prompts a decode will ask for (requests with ``do_remote_decode``, as the
 proxy sends them; every prompt with ``KVREDIS_STORE_ALL_PROMPTS``) as chunks of whole blocks, writing only
 those Redis lacks, and announces the transfer in the finished request's ``kv_transfer_params``
-(:mod:`kvredis.announcement`). The consumer (decode) loads the tokens beyond its own prefix-cache hit: those
-of the announced transfer, or of the chunks Redis already holds. A chunk's key covers the engine's identity
-(:func:`kvredis.vllm.engine.cache_identity`), the request's context (LoRA adapter, multimodal inputs,
+(:mod:`kvredis.store.announcement`). The consumer (decode) loads the tokens beyond its own prefix-cache hit:
+those of the announced transfer, or of the chunks Redis already holds. A chunk's key covers the engine's
+identity (:func:`kvredis.vllm.engine.cache_identity`), the request's context (LoRA adapter, multimodal inputs,
 ``cache_salt``: :mod:`kvredis.request_keys`) and every token to its end, so no request reads KV computed
 for another adapter, image or tenant. Requests with prompt embeddings are neither saved nor loaded;
 configurations whose pages the connector cannot express are refused at start-up. A load that fails for any

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvredis import staging
-from kvredis.chunk_keys import ChunkPlan
-from kvredis.chunk_store import PageFormat
 from kvredis.errors import KVRedisError
-from kvredis.keys import reader_id
 from kvredis.paged import PagedLayout, block_span
-from kvredis.transfer import Saved, Taken, Transfers
+from kvredis.store.chunk_keys import ChunkPlan
+from kvredis.store.chunk_store import PageFormat
+from kvredis.store.keys import reader_id
+from kvredis.store.transfer import Saved, Taken, Transfers
 from kvredis.vllm.cache_groups import FULL, STATE, Series, resume_step
 from kvredis.vllm.discards import Discards
 from kvredis.vllm.endpoint import Endpoint
@@ -710,8 +710,8 @@ class _PageViews:
 
 
 class _PinnedPlacement:
-    """A load's :data:`~kvredis.chunk_store.PagesPlace` on a GPU: each chunk's pages in its own range of a
-    pinned buffer leased for the load (the read returns them as tensors there, which the device copies
+    """A load's :data:`~kvredis.store.chunk_store.PagesPlace` on a GPU: each chunk's pages in its own range of
+    a pinned buffer leased for the load (the read returns them as tensors there, which the device copies
     from); :meth:`done` hands the buffer back once those copies ran."""
 
     in_place = False
@@ -737,7 +737,7 @@ class _PinnedPlacement:
 
 
 class _BlockPlacement:
-    """A load's :data:`~kvredis.chunk_store.PagesPlace`: each chunk's pages land in the request's blocks
+    """A load's :data:`~kvredis.store.chunk_store.PagesPlace`: each chunk's pages land in the request's blocks
     (every layer's, in the chunk's ``[layers, pages, ...]`` order), those of blocks the load does not write
     (the local prefix cache's, shared with other requests) in scratch memory of their own, so that the
     chunk's checksum still covers every byte. The first placement holds the caches' write gate until

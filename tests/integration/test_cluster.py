@@ -29,11 +29,11 @@ from test_transfer import make_shared, make_transfers  # noqa: F401 - the fixtur
 
 from kvredis import KVRedisConnectionError, KVRedisError
 from kvredis.buffer import RedisLookupBuffer
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
-from kvredis.keys import Prompt
-from kvredis.redis_errors import translate_errors
+from kvredis.store.client import RedisStore
+from kvredis.store.keys import Prompt
+from kvredis.store.redis_errors import translate_errors
 
 MISS = [None] * 5
 

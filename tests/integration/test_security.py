@@ -31,15 +31,16 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from redis_servers import RedisServer, ServerTLS, free_port
 from test_buffer import assert_entry, kv_entry
 
-from kvredis import ConfigError, KVRedisConnectionError, KVRedisError, KVRedisTimeoutError, codec
+from kvredis import ConfigError, KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
 from kvredis.buffer import RedisLookupBuffer
-from kvredis.chunk_store import PageFormat
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
-from kvredis.generation import Generation, generation_key
-from kvredis.keys import CacheIdentity, new_entry_id
-from kvredis.tally import Tally, tally_key
-from kvredis.transfer import Transfers
+from kvredis.store import codec
+from kvredis.store.chunk_store import PageFormat
+from kvredis.store.client import RedisStore
+from kvredis.store.generation import Generation, generation_key
+from kvredis.store.keys import CacheIdentity, new_entry_id
+from kvredis.store.tally import Tally, tally_key
+from kvredis.store.transfer import Transfers
 
 MISS = [None] * 5
 BUFFER_COMMANDS = ("rpush", "pexpire", "multi", "exec", "blpop", "llen", "set", "getdel", "del")

@@ -19,9 +19,9 @@ from test_buffer import assert_entry, kv_entry
 from test_cluster import make_entries
 
 from kvredis import KVRedisConnectionError, KVRedisError
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
+from kvredis.store.client import RedisStore
 
 MISS = [None] * 5
 

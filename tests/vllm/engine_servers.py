@@ -25,11 +25,11 @@ import torch
 from conftest import BLOCK_SIZE
 from redis_servers import RedisServer, free_port, wait_until
 
-from kvredis.announcement import TRANSFER_PARAM
 from kvredis.stack import engine_cpu_binds
-from kvredis.tally import tally_key
+from kvredis.store.announcement import TRANSFER_PARAM
+from kvredis.store.tally import tally_key
+from kvredis.store.transfer import record_digests
 from kvredis.tinymodel import prompt_text
-from kvredis.transfer import record_digests
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST_TIMEOUT_S = 300.0

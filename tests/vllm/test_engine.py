@@ -44,8 +44,8 @@ from engine_servers import (
 )
 from redis_servers import wait_until
 
-from kvredis import codec
 from kvredis.config import KVRedisConfig
+from kvredis.store import codec
 from kvredis.tinymodel import prompt_text
 
 START_TIMEOUT_S = 300.0

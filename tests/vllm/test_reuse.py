@@ -38,8 +38,8 @@ from engine_servers import (
 )
 from redis_servers import wait_until
 
-from kvredis.chunk_keys import ChunkPlan
 from kvredis.config import KVRedisConfig
+from kvredis.store.chunk_keys import ChunkPlan
 from kvredis.tinymodel import prompt_text
 
 START_TIMEOUT_S = 600.0

@@ -26,7 +26,6 @@ pytest.importorskip("vllm.version")
 
 from engine_servers import TEST_TIMEOUT_ENV
 
-from kvredis.chunk_keys import key_kind
 from kvredis.demo import (
     demo_requests,
     fetch_metrics,
@@ -37,6 +36,7 @@ from kvredis.demo import (
     stream_completion,
 )
 from kvredis.stack import RunningStack, StackOptions, open_stack
+from kvredis.store.chunk_keys import key_kind
 from kvredis.supervisor import group_alive
 from kvredis.tinymodel import prompt_text
 
@@ -93,9 +93,9 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
 
 
 def _keys(running: RunningStack) -> list[str]:
-    from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
-    from kvredis.tally import tally_key
+    from kvredis.store.client import RedisStore
+    from kvredis.store.tally import tally_key
 
     config = KVRedisConfig.from_env(overrides={"url": running.redis_url, "namespace": running.namespace})
     store = RedisStore(config)

@@ -60,12 +60,12 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvredis import codec
-from kvredis.announcement import TRANSFER_PARAM
-from kvredis.chunk_keys import ChunkPlan
-from kvredis.keys import new_entry_id
-from kvredis.tally import read_tally
-from kvredis.transfer import record_digests
+from kvredis.store import codec
+from kvredis.store.announcement import TRANSFER_PARAM
+from kvredis.store.chunk_keys import ChunkPlan
+from kvredis.store.keys import new_entry_id
+from kvredis.store.tally import read_tally
+from kvredis.store.transfer import record_digests
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import worker as worker_module
 

@@ -34,8 +34,8 @@ from engine_servers import (
 )
 from redis_servers import RedisServer
 
-from kvredis.chunk_keys import key_kind
 from kvredis.config import KVRedisConfig
+from kvredis.store.chunk_keys import key_kind
 from kvredis.tinymodel import prompt_text
 
 START_TIMEOUT_S = 600.0

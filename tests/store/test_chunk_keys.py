@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from kvredis.chunk_keys import ChunkKeys, ChunkPlan, chunk_seed
-from kvredis.keys import context_digest
+from kvredis.store.chunk_keys import ChunkKeys, ChunkPlan, chunk_seed
+from kvredis.store.keys import context_digest
 
 SALT = context_digest([("salt", "tenant-a")])
 

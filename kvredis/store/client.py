@@ -1,6 +1,6 @@
 """Redis access: connection set-up from the config, and the bulk piece transfers.
 
-Every call goes through :func:`kvredis.redis_errors.translate_errors`, the one boundary where redis-py's
+Every call goes through :func:`kvredis.store.redis_errors.translate_errors`, the one boundary where redis-py's
 exceptions become kvredis's. Connections use redis-py's Python command packer instead of hiredis's: it
 sends memoryviews straight to the socket, where hiredis's packer copies every large value twice
 (docs/design.md). hiredis still parses replies. Retries are off: a retried RPUSH
@@ -34,11 +34,11 @@ from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from kvredis import resp
-from kvredis.chunk_keys import key_kind
 from kvredis.config import KVRedisConfig, Topology
 from kvredis.errors import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
-from kvredis.redis_errors import REDIRECTS, raise_first_error, translate_errors, translated
+from kvredis.store import resp
+from kvredis.store.chunk_keys import key_kind
+from kvredis.store.redis_errors import REDIRECTS, raise_first_error, translate_errors, translated
 
 logger = logging.getLogger("kvredis.client")
 

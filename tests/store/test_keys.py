@@ -16,7 +16,7 @@ import pytest
 import torch
 from redis.crc import key_slot
 
-from kvredis.keys import (
+from kvredis.store.keys import (
     FORMAT_VERSION,
     CacheIdentity,
     EntryKeys,
@@ -279,7 +279,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     import torch
-    from kvredis.keys import CacheIdentity, KeySpace, prompt_digest
+    from kvredis.store.keys import CacheIdentity, KeySpace, prompt_digest
     tokens, roi, ident = json.loads(sys.argv[1])
     identity = CacheIdentity(**ident)
     print(json.dumps({

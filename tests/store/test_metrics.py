@@ -18,10 +18,11 @@ from conftest import namespace_keys
 from redis_servers import free_port
 from test_buffer import assert_entry, kv_entry
 
-from kvredis import KVRedisConnectionError, KVRedisTimeoutError, codec
+from kvredis import KVRedisConnectionError, KVRedisTimeoutError
 from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
-from kvredis.metrics import MISS_CAUSES, Metrics
+from kvredis.store import codec
+from kvredis.store.metrics import MISS_CAUSES, Metrics
 
 MISS = [None] * 5
 
@@ -148,7 +149,7 @@ def test_timeouts_and_errors_have_their_series(silent_port, namespace, series):
 
 
 def test_in_process_counts_work_without_prometheus(monkeypatch):
-    import kvredis.metrics as metrics_module
+    import kvredis.store.metrics as metrics_module
 
     monkeypatch.setattr(metrics_module, "_prometheus", {})
     monkeypatch.setattr(metrics_module, "prometheus_client", None)

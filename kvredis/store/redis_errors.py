@@ -13,9 +13,9 @@ from typing import Any
 import redis
 from redis.sentinel import MasterNotFoundError
 
-from kvredis import resp
 from kvredis.config import KVRedisConfig
 from kvredis.errors import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
+from kvredis.store import resp
 
 REDIRECTS = 16
 """How many times one call follows MOVED/ASK/TRYAGAIN before giving up (redis-py's own limit is 16)."""
@@ -146,8 +146,8 @@ def translated(exc: BaseException, what: str, config: KVRedisConfig | None = Non
 
 
 def raise_first_error(replies: Sequence[Any]) -> None:
-    """Raise the first error reply of kvredis's framing (:mod:`kvredis.resp`) as redis-py would have, so that
-    :func:`translate_errors` names it (NOPERM, WRONGTYPE...)."""
+    """Raise the first error reply of kvredis's framing (:mod:`kvredis.store.resp`) as redis-py would have, so
+    that :func:`translate_errors` names it (NOPERM, WRONGTYPE...)."""
     error = resp.first_error(replies)
     if error is not None:
         text = str(error)

@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvredis import chunk_store as chunk_store_module
-from kvredis import codec
 from kvredis.buffer import RedisLookupBuffer
-from kvredis.chunk_keys import ChunkPlan
-from kvredis.chunk_store import ChunkRead, ChunkStore, PageFormat
-from kvredis.keys import context_digest
+from kvredis.store import chunk_store as chunk_store_module
+from kvredis.store import codec
+from kvredis.store.chunk_keys import ChunkPlan
+from kvredis.store.chunk_store import ChunkRead, ChunkStore, PageFormat
+from kvredis.store.keys import context_digest
 
 BLOCK = 16
 CHUNK = 32  # two blocks a chunk
@@ -433,7 +433,7 @@ def test_each_chunk_is_checked_as_it_arrives_while_the_next_is_on_its_way(
         chunk_store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """A read checks chunk ``i`` (its checksum included) as soon as its last reply is in, before the replies
     of the chunks after it are read: the checks overlap the transfer instead of following it."""
-    from kvredis import resp
+    from kvredis.store import resp
 
     replies_read = [0]
     read_reply = resp.BulkReader.read_reply

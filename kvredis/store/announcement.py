@@ -5,7 +5,7 @@ A producer's ``request_finished`` returns ``{"do_remote_prefill": true, "do_remo
 whose connector takes exactly that transfer, and releases it itself when the decode never got the request.
 Everything here is read from a peer, so each field is checked before it names a key:
 
-- ``entry``: the transfer id (its record is :func:`kvredis.transfer.record_key`; the id is a capability:
+- ``entry``: the transfer id (its record is :func:`kvredis.store.transfer.record_key`; the id is a capability:
   whoever holds it can take or release the transfer, so it is random and only the proxy and decode see it);
 - ``digest``: the prompt digest of the request's tokens and context, checked against the decode's request;
 - ``context``: the request's context digest (LoRA adapter, multimodal inputs, ``cache_salt``), so a decode
@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvredis.keys import check_digest, check_entry_id
+from kvredis.store.keys import check_digest, check_entry_id
 
 GENERATION_FIELD = "cache_generation"
-"""The engine field naming the cache generation a transfer is stored in (:mod:`kvredis.generation`; absent:
-0)."""
+"""The engine field naming the cache generation a transfer is stored in (:mod:`kvredis.store.generation`;
+absent: 0)."""
 TRANSFER_PARAM = "kvredis"
 """The key under which the producer announces an entry in ``kv_transfer_params``."""
 

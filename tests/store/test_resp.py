@@ -11,7 +11,7 @@ import uuid
 import pytest
 import redis
 
-from kvredis import resp
+from kvredis.store import resp
 
 
 class TrickleSocket(socket.socket):

@@ -10,14 +10,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvredis import codec
-from kvredis import transfer as transfer_module
 from kvredis.buffer import RedisLookupBuffer
-from kvredis.chunk_store import PageFormat
-from kvredis.client import RedisStore
 from kvredis.errors import CodecError, KVRedisConnectionError
-from kvredis.keys import new_entry_id, reader_id
-from kvredis.transfer import Taken, Transfers
+from kvredis.store import codec
+from kvredis.store import transfer as transfer_module
+from kvredis.store.chunk_store import PageFormat
+from kvredis.store.client import RedisStore
+from kvredis.store.keys import new_entry_id, reader_id
+from kvredis.store.transfer import Taken, Transfers
 
 BLOCK = 16
 CHUNK = 32

@@ -8,9 +8,9 @@ so a chunk is whole pages); a prompt's last chunk may be shorter. Chunk ``i`` co
     digest[i] = blake2b(digest[i - 1], start=s,  count, tokens[s:s + count])
 
 where the *seed* covers the request's context digest (LoRA adapter, multimodal inputs, ``cache_salt``:
-:func:`kvredis.keys.context_digest`). The engine's identity (model, KV dtype, page layout, block size, rank)
-is the key prefix (:class:`kvredis.keys.KeySpace`), as for entries. So a chunk's key names exactly one
-prefix: two keys are equal only when the engine, the context and every token from the prompt's first to
+:func:`kvredis.store.keys.context_digest`). The engine's identity (model, KV dtype, page layout, block size,
+rank) is the key prefix (:class:`kvredis.store.keys.KeySpace`), as for entries. So a chunk's key names exactly
+one prefix: two keys are equal only when the engine, the context and every token from the prompt's first to
 the chunk's last agree, and a chunk's position and length are part of what its key names. A short last
 chunk is never taken for a full one: its count is hashed, and no full chunk has that count.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvredis.keys import _token_view, check_digest
+from kvredis.store.keys import _token_view, check_digest
 
 _DIGEST_BYTES = 16
 _CHUNK_HASH = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"kvredis-chunk")  # copied, never updated
@@ -171,7 +171,7 @@ class ChunkKeys:
 def key_kind(key: str) -> str | None:
     """What a key of the chunk store's shapes holds: ``"chunks"`` (:meth:`ChunkKeys.chunk`), ``"holders"``
     (:meth:`ChunkKeys.holders`) or ``"transfers"`` (a transfer's record, ``<prefix>:t:{<id>}``:
-    :func:`kvredis.transfer.record_key`); ``None`` for any other key."""
+    :func:`kvredis.store.transfer.record_key`); ``None`` for any other key."""
     if ":c:{" in key:
         return "holders" if key.endswith("}:h") else "chunks"
     if ":t:{" in key:

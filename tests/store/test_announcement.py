@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 
-from kvredis.announcement import (
+from kvredis.store.announcement import (
     TRANSFER_PARAM,
     Announcement,
     MalformedAnnouncement,
     read_announcement,
 )
-from kvredis.keys import KeySpace, new_entry_id, prompt_digest
+from kvredis.store.keys import KeySpace, new_entry_id, prompt_digest
 
 ENGINE = {"namespace": "kvredis", "model": "m", "kv_dtype": "bfloat16", "layout": "cuda:-:default:mha",
           "block_size": 16, "tp_size": 1, "format_version": 1}
@@ -74,8 +74,9 @@ def test_differences_name_each_field_that_differs() -> None:
 
 
 def test_a_transfer_has_one_record_a_shard() -> None:
-    """Decode ranks reading one shard together hand the transfer on to each other (kvredis.keys.reader_id):
-    the announcement names the one record a shard, and the ``readers`` an earlier kvredis sent are ignored."""
+    """Decode ranks reading one shard together hand the transfer on to each other
+    (kvredis.store.keys.reader_id): the announcement names the one record a shard, and the ``readers`` an
+    earlier kvredis sent are ignored."""
     entry = new_entry_id()
     read = read_announcement(Announcement(entry, shards=("ns:0123456789abcdef",)).to_params())
     assert read is not None and read.transfer_ids() == [entry]

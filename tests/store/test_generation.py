@@ -11,9 +11,9 @@ import redis
 
 from kvredis import KVRedisError
 from kvredis.cli import main
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
-from kvredis.generation import Generation, generation_key, purge_keys, reset_namespace, with_generation
+from kvredis.store.client import RedisStore
+from kvredis.store.generation import Generation, generation_key, purge_keys, reset_namespace, with_generation
 
 CONTEXT = "ab" * 16
 

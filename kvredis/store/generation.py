@@ -20,8 +20,8 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
-from kvredis.client import RedisStore
-from kvredis.keys import check_digest
+from kvredis.store.client import RedisStore
+from kvredis.store.keys import check_digest
 
 _GENERATION_HASH = hashlib.blake2b(digest_size=16, person=b"kvredis-gen")  # copied, never updated
 

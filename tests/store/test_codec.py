@@ -18,8 +18,9 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvredis import codec
-from kvredis.codec import (
+from kvredis.errors import KVRedisError
+from kvredis.store import codec
+from kvredis.store.codec import (
     ALIGN,
     DTYPES,
     FORMAT_VERSION,
@@ -29,7 +30,6 @@ from kvredis.codec import (
     MAX_TENSORS,
     CodecError,
 )
-from kvredis.errors import KVRedisError
 
 LIMIT = 64 << 20
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -294,7 +294,7 @@ def test_encoding_non_tensor_raises_codec_error(item: Any) -> None:
     ids=["int64", "bool", "uint8", "int32"],
 )
 def test_a_flat_memoryview_encodes_as_a_tensor_of_its_format(view: memoryview, dtype: torch.dtype) -> None:
-    # kvredis.keys hands the prompt's tokens and mask over as such views: no tensor is made of them.
+    # kvredis.store.keys hands the prompt's tokens and mask over as such views: no tensor is made of them.
     (out,) = round_trip([view])
     assert out is not None and out.dtype == dtype and tuple(out.shape) == (len(view),)
     assert out.tolist() == view.tolist()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import uuid
 
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
-from kvredis.tally import FLUSH_INTERVAL_S, Tally, read_tally, tally_key
+from kvredis.store.client import RedisStore
+from kvredis.store.tally import FLUSH_INTERVAL_S, Tally, read_tally, tally_key
 
 
 def store_for(url: str, namespace: str) -> RedisStore:
@@ -19,7 +19,7 @@ def test_counts_are_due_once_the_interval_has_passed_and_sent_once(real_redis_ur
     namespace = "t-tally-" + uuid.uuid4().hex[:8]
     store = store_for(real_redis_url, namespace)
     clock = [1000.0]
-    monkeypatch.setattr("kvredis.tally.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("kvredis.store.tally.time.monotonic", lambda: clock[0])
     try:
         tally = Tally(store, namespace)
         assert not tally.due()  # nothing counted

@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Any
 
-from kvredis.client import RedisStore
 from kvredis.errors import KVRedisError
+from kvredis.store.client import RedisStore
 
 logger = logging.getLogger("kvredis.tally")
 

@@ -110,8 +110,8 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 _ITEMSIZE_OF = {dtype: dtype.itemsize for dtype in DTYPES.values()}
 _WRITE_CHECKSUM = CHECKSUMS[FORMAT_VERSION]
-# Flat memoryviews (an entry's token IDs and roi mask, which kvredis.keys keeps as such) are written as the
-# tensor dtype of their format; native formats are little-endian only on little-endian hosts.
+# Flat memoryviews (an entry's token IDs and roi mask, which kvredis.store.keys keeps as such) are written as
+# the tensor dtype of their format; native formats are little-endian only on little-endian hosts.
 _VIEW_DTYPES = {"q": "int64", "i": "int32", "b": "int8", "B": "uint8", "?": "bool"}
 if sys.byteorder != "little":
     _VIEW_DTYPES = {}

@@ -1,12 +1,12 @@
 """Chunks of KV pages in Redis: which are present, writing only the missing, reading, releasing.
 
-Each chunk (:mod:`kvredis.chunk_keys`) is one self-describing value: a kvredis blob (:mod:`kvredis.codec`)
-holding the chunk's token IDs and its pages ``[layers, pages, *page_shape]``, with metadata naming the key
-space, the chunk's position, its digest and its parent's. One value, written by one ``SET``, so a reader
-sees all of a chunk or none of it, and eviction cannot leave half of one (the two-key layouts of peers
-went half-missing so). Reads check everything the key promises: the blob's checksums, its key space, its
-digest and parent, its position and its tokens, and the page shape and dtype the reader needs; a chunk
-that fails a check is deleted and counts as missing.
+Each chunk (:mod:`kvredis.store.chunk_keys`) is one self-describing value: a kvredis blob
+(:mod:`kvredis.store.codec`) holding the chunk's token IDs and its pages ``[layers, pages, *page_shape]``,
+with metadata naming the key space, the chunk's position, its digest and its parent's. One value, written by
+one ``SET``, so a reader sees all of a chunk or none of it, and eviction cannot leave half of one (the two-key
+layouts of peers went half-missing so). Reads check everything the key promises: the blob's checksums, its key
+space, its digest and parent, its position and its tokens, and the page shape and dtype the reader needs; a
+chunk that fails a check is deleted and counts as missing.
 
 **Transfer mode** keeps a chunk only while a transfer still needs it. Each chunk has a *holders* set in its
 slot: a producer adds its transfer's id when it writes the chunk or finds it present, and whoever consumes
@@ -34,13 +34,13 @@ from typing import Any, Protocol
 import redis
 import torch
 
-from kvredis import codec, resp
-from kvredis.chunk_keys import ChunkKeys, ChunkPlan
-from kvredis.client import RedisStore
 from kvredis.errors import CodecError, KVRedisError
-from kvredis.memory import fresh_output
-from kvredis.redis_errors import raise_first_error
-from kvredis.resp import RespError
+from kvredis.store import codec, resp
+from kvredis.store.chunk_keys import ChunkKeys, ChunkPlan
+from kvredis.store.client import RedisStore
+from kvredis.store.memory import fresh_output
+from kvredis.store.redis_errors import raise_first_error
+from kvredis.store.resp import RespError
 
 logger = logging.getLogger("kvredis.chunks")
 
@@ -437,8 +437,8 @@ class ChunkStore:
 
         Each chunk's payload is received straight where it belongs: its pages where ``into`` says (an
         engine's KV blocks), or into one output buffer allocated for all of them (huge pages for large
-        reads, :mod:`kvredis.memory`); its header into a small buffer of its own. The payload's length is
-        known from the page format, and it is the value's tail. A chunk of at most
+        reads, :mod:`kvredis.store.memory`); its header into a small buffer of its own. The payload's length
+        is known from the page format, and it is the value's tail. A chunk of at most
         ``KVREDIS_INFLIGHT_BYTES`` (or ``KVREDIS_CHUNK_BYTES`` if larger) is one GET; a larger one is read in
         pieces of ``KVREDIS_CHUNK_BYTES`` with GETRANGE, about ``KVREDIS_INFLIGHT_BYTES`` requested ahead
         (Redis serves a reply of a few MiB much faster than one of many: docs/benchmarks.md). Pieces of
@@ -784,7 +784,8 @@ class Scatter:
 
 
 def _noticing(call: Callable[[], None]) -> resp.Place:
-    """A :data:`~kvredis.resp.Place` calling ``call`` at its reply's first bulk string; it places nothing."""
+    """A :data:`~kvredis.store.resp.Place` calling ``call`` at its reply's first bulk string; it places
+    nothing."""
     called: list[bool] = []
 
     def place(length: int) -> None:
@@ -826,7 +827,7 @@ class _Split:
 class _Read:
     """Where one chunk's reply goes: the payload where its :class:`Scatter` says (made when the reply
     arrives), the header into a buffer of its own. Its ``place_*`` methods are the reply's
-    :data:`kvredis.resp.Place`."""
+    :data:`kvredis.store.resp.Place`."""
 
     __slots__ = ("first", "header", "last", "make", "payload", "piece", "pieces", "size", "stop")
 

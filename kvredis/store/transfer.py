@@ -30,7 +30,7 @@ A transfer nobody will take (the decode computed the prompt, the request was abo
 it) is **discarded**: its record is taken (waiting for it, since the prefill may still be writing) and its
 holds released.
 
-Keys: the chunks and their holders' sets (:mod:`kvredis.chunk_keys`), and ``<prefix>:t:{<transfer id>}``
+Keys: the chunks and their holders' sets (:mod:`kvredis.store.chunk_keys`), and ``<prefix>:t:{<transfer id>}``
 for the record. Every key has the TTL.
 """
 
@@ -46,13 +46,13 @@ from typing import Any
 import torch
 import xxhash
 
-from kvredis import codec
-from kvredis.chunk_keys import ChunkPlan
-from kvredis.chunk_store import NOBODY, ChunkRead, ChunkStore, PageFormat, PagesPlace
-from kvredis.client import RedisStore
 from kvredis.errors import CodecError, KVRedisError
-from kvredis.keys import check_entry_id
-from kvredis.redis_errors import WrongTypeError
+from kvredis.store import codec
+from kvredis.store.chunk_keys import ChunkPlan
+from kvredis.store.chunk_store import NOBODY, ChunkRead, ChunkStore, PageFormat, PagesPlace
+from kvredis.store.client import RedisStore
+from kvredis.store.keys import check_entry_id
+from kvredis.store.redis_errors import WrongTypeError
 
 logger = logging.getLogger("kvredis.transfer")
 
@@ -95,7 +95,7 @@ class Saved:
 @dataclass
 class Taken:
     """What a take got: the pages of chunks ``first..`` in order (each ``[layers, pages, ...]``, or ``None``
-    where they were received in place: :data:`~kvredis.chunk_store.PagesPlace`), ending at
+    where they were received in place: :data:`~kvredis.store.chunk_store.PagesPlace`), ending at
     the first chunk that could not be read, and why nothing more (``"hit"``: everything asked for;
     ``"late"``: no transfer record within the pop bound, so nothing was read; else a chunk's cause)."""
 
