@@ -23,13 +23,13 @@ aiohttp = pytest.importorskip("aiohttp")
 import torch  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from kvredis.buffer import RedisLookupBuffer  # noqa: E402
 from kvredis.config import KVRedisConfig  # noqa: E402
 from kvredis.errors import ConfigError  # noqa: E402
 from kvredis.proxy import ProxyConfig, start_proxy  # noqa: E402
 from kvredis.store.announcement import TRANSFER_PARAM, Announcement  # noqa: E402
 from kvredis.store.keys import new_entry_id, prompt_digest  # noqa: E402
 from kvredis.store.transfer import Transfers  # noqa: E402
+from kvredis.v0.buffer import RedisLookupBuffer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Upper bound on any one scenario, so a proxy bug shows up as a failure rather than a hung test run.

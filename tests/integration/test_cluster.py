@@ -28,12 +28,12 @@ from test_security import Certs, certs  # noqa: F401 - the fixture, for the TLS 
 from test_transfer import make_shared, make_transfers  # noqa: F401 - the fixtures
 
 from kvredis import KVRedisConnectionError, KVRedisError
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
 from kvredis.store.client import RedisStore
 from kvredis.store.keys import Prompt
 from kvredis.store.redis_errors import translate_errors
+from kvredis.v0.buffer import RedisLookupBuffer
 
 MISS = [None] * 5
 

@@ -32,7 +32,6 @@ from redis_servers import RedisServer, ServerTLS, free_port
 from test_buffer import assert_entry, kv_entry
 
 from kvredis import ConfigError, KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.store import codec
 from kvredis.store.chunk_store import PageFormat
@@ -41,6 +40,7 @@ from kvredis.store.generation import Generation, generation_key
 from kvredis.store.keys import CacheIdentity, new_entry_id
 from kvredis.store.tally import Tally, tally_key
 from kvredis.store.transfer import Transfers
+from kvredis.v0.buffer import RedisLookupBuffer
 
 MISS = [None] * 5
 BUFFER_COMMANDS = ("rpush", "pexpire", "multi", "exec", "blpop", "llen", "set", "getdel", "del")

@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.store import chunk_store as chunk_store_module
 from kvredis.store import codec
 from kvredis.store.chunk_keys import ChunkPlan
 from kvredis.store.chunk_store import ChunkRead, ChunkStore, PageFormat
 from kvredis.store.keys import context_digest
+from kvredis.v0.buffer import RedisLookupBuffer
 
 BLOCK = 16
 CHUNK = 32  # two blocks a chunk

@@ -19,10 +19,10 @@ from redis_servers import free_port
 from test_buffer import assert_entry, kv_entry
 
 from kvredis import KVRedisConnectionError, KVRedisTimeoutError
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.store import codec
 from kvredis.store.metrics import MISS_CAUSES, Metrics
+from kvredis.v0.buffer import RedisLookupBuffer
 
 MISS = [None] * 5
 

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.errors import CodecError, KVRedisConnectionError
 from kvredis.store import codec
 from kvredis.store import transfer as transfer_module
@@ -18,6 +17,7 @@ from kvredis.store.chunk_store import PageFormat
 from kvredis.store.client import RedisStore
 from kvredis.store.keys import new_entry_id, reader_id
 from kvredis.store.transfer import Taken, Transfers
+from kvredis.v0.buffer import RedisLookupBuffer
 
 BLOCK = 16
 CHUNK = 32

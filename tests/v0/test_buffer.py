@@ -11,11 +11,11 @@ import torch
 from conftest import namespace_keys
 
 from kvredis import EntryTooLargeError, KVRedisConnectionError, KVRedisError
-from kvredis import buffer as buffer_module
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.store import codec, memory
 from kvredis.store.keys import context_digest, new_entry_id
+from kvredis.v0 import buffer as buffer_module
+from kvredis.v0.buffer import RedisLookupBuffer
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int8, torch.uint8]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvredis.connector import RedisConnector
+from kvredis.v0.connector import RedisConnector
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 16, 4, 2, 8
 SENTINEL = -7.0

@@ -1,4 +1,4 @@
-"""The seed's KV connector (vLLM's V0 API) over :class:`~kvredis.buffer.RedisLookupBuffer`.
+"""The seed's KV connector (vLLM's V0 API) over :class:`~kvredis.v0.buffer.RedisLookupBuffer`.
 
 What it reads from vLLM's ``model_input`` (V0 ``ModelInputForGPUWithSamplingMetadata``):
 
@@ -23,10 +23,10 @@ from typing import Any
 import redis
 import torch
 
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
 from kvredis.errors import KVRedisError
 from kvredis.store.keys import CacheIdentity
+from kvredis.v0.buffer import RedisLookupBuffer
 
 logger = logging.getLogger("kvredis.connector")
 
