@@ -20,9 +20,9 @@ import test_buffer
 import test_chunk_store
 import test_transfer
 import torch
+from kv_entries import assert_entry, identical, kv_entry, random_tensor
 from redis.crc import key_slot
 from redis_servers import ClusterServers, free_port
-from test_buffer import assert_entry, identical, kv_entry, random_tensor
 from test_chunk_store import chunk_store  # noqa: F401 - the fixture
 from test_security import Certs, certs  # noqa: F401 - the fixture, for the TLS cluster
 from test_transfer import make_shared, make_transfers  # noqa: F401 - the fixtures

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
+from kv_entries import assert_entry, identical, kv_entry, random_tensor
 from redis_servers import RedisServer
-from test_buffer import assert_entry, identical, kv_entry, random_tensor
 
 from kvredis import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
 from kvredis.store import resp

@@ -28,8 +28,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from kv_entries import assert_entry, kv_entry
 from redis_servers import RedisServer, ServerTLS, free_port
-from test_buffer import assert_entry, kv_entry
 
 from kvredis import ConfigError, KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
 from kvredis.config import KVRedisConfig

@@ -15,8 +15,8 @@ import prometheus_client
 import pytest
 import torch
 from conftest import namespace_keys
+from kv_entries import assert_entry, kv_entry
 from redis_servers import free_port
-from test_buffer import assert_entry, kv_entry
 
 from kvredis import KVRedisConnectionError, KVRedisTimeoutError
 from kvredis.config import KVRedisConfig
