@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvredis.errors import KVRedisError
-from kvredis.request_keys import AdapterDigests, request_context
 from kvredis.store.announcement import (
     GENERATION_FIELD,
     Announcement,
@@ -42,6 +41,7 @@ from kvredis.vllm.engine import cache_identity
 from kvredis.vllm.events import StoredBlocks, StoreReports
 from kvredis.vllm.heads import sources
 from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec, resume_end, stored_plan, token_list
+from kvredis.vllm.request_keys import AdapterDigests, request_context
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

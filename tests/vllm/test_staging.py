@@ -1,5 +1,5 @@
-"""The CUDA data path's logic (kvredis.staging), on the CPU with a fake device (tests/fake_device.py), and
-``RedisLookupBuffer.take`` receiving into memory the caller allocates (pinned memory on a GPU)."""
+"""The CUDA data path's logic (kvredis.vllm.staging), on the CPU with a fake device (tests/fake_device.py),
+and ``RedisLookupBuffer.take`` receiving into memory the caller allocates (pinned memory on a GPU)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import threading
 import time
 
 import pytest
+
+pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
+
 import torch
 from fake_device import GARBAGE, FakeDevice
-from test_buffer import identical, kv_entry
+from kv_entries import identical, kv_entry
 
 from kvredis.errors import ConfigError
-from kvredis.staging import CudaDevice, DeviceStaging, copy_pages_in, copy_pages_out, device_for
+from kvredis.vllm.staging import CudaDevice, DeviceStaging, copy_pages_in, copy_pages_out, device_for
 
 BLOCKS, HEADS, BLOCK, WIDTH = 10, 2, 4, 6
 WAIT_S = 30.0  # generous: the machine may stall; a passing test never waits for it

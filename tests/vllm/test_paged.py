@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("vllm.version", reason="needs vLLM's CPU build (run with the vLLM environment's python)")
+
 import torch
 
-from kvredis.paged import PagedLayout, block_span
+from kvredis.vllm.paged import PagedLayout, block_span
 
 BLOCKS, HEADS, BLOCK, WIDTH = 12, 2, 8, 6
 
