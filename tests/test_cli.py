@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from processes import BOUND_S, REPO_ROOT, kvredis, wait_until
 
-from kvredis.stack import free_ports, vllm_installed
-from kvredis.supervisor import http_ok
+from kvredis.stack.supervisor import http_ok
+from kvredis.stack.up import free_ports, vllm_installed
 
 
 def test_kvredis_proxy_serves_and_stops_on_sigterm(reaper: list[subprocess.Popen[str]]) -> None:

@@ -53,9 +53,9 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvredis.errors import ConfigError
+from kvredis.stack.tinymodel import write_tiny_llama
 from kvredis.store.announcement import TRANSFER_PARAM
 from kvredis.store.transfer import record_digests
-from kvredis.tinymodel import write_tiny_llama
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import endpoint as endpoint_module
 from kvredis.vllm.heads import HeadSplit

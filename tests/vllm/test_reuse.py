@@ -39,8 +39,8 @@ from engine_servers import (
 from redis_servers import wait_until
 
 from kvredis.config import KVRedisConfig
+from kvredis.stack.tinymodel import prompt_text
 from kvredis.store.chunk_keys import ChunkPlan
-from kvredis.tinymodel import prompt_text
 
 START_TIMEOUT_S = 600.0
 MAX_MODEL_LEN = 1024

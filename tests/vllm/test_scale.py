@@ -26,7 +26,7 @@ pytest.importorskip("vllm.version")
 
 from engine_servers import TEST_TIMEOUT_ENV
 
-from kvredis.demo import (
+from kvredis.stack.demo import (
     demo_requests,
     fetch_metrics,
     kvredis_metrics,
@@ -35,10 +35,10 @@ from kvredis.demo import (
     purge_namespace,
     stream_completion,
 )
-from kvredis.stack import RunningStack, StackOptions, open_stack
+from kvredis.stack.supervisor import group_alive
+from kvredis.stack.tinymodel import prompt_text
+from kvredis.stack.up import RunningStack, StackOptions, open_stack
 from kvredis.store.chunk_keys import key_kind
-from kvredis.supervisor import group_alive
-from kvredis.tinymodel import prompt_text
 
 # Four engines start in about two minutes on two cores (each takes 30-40 s alone); the bound leaves room for a
 # loaded machine without letting a hang run forever.

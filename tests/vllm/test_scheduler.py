@@ -921,7 +921,7 @@ def test_images_are_not_moved_where_vllm_names_them_by_a_counter(tiny_model: Pat
     """vLLM hashes an image's content unless prefix caching and the multimodal processor cache are both off;
     then it names it by a counter of the process, the same on every engine for its n-th image. Requests with
     images are unsupported there (never keyed by such a name); text-only requests are not affected."""
-    from kvredis.tinymodel import write_tiny_blip2
+    from kvredis.stack.tinymodel import write_tiny_blip2
     from kvredis.vllm.engine import multimodal_inputs_hashed
     from kvredis.vllm.request_keys import request_context
 

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from kvredis.demo import (
+from kvredis.errors import StackError
+from kvredis.stack.demo import (
     DemoResult,
     demo_requests,
     format_summary,
@@ -23,7 +24,6 @@ from kvredis.demo import (
     post_completion,
     stream_completion,
 )
-from kvredis.errors import StackError
 
 
 def test_parse_samples_keeps_one_namespace_and_sums_duplicates() -> None:
@@ -181,7 +181,7 @@ def test_kvredis_metrics_reads_an_engines_metrics(stand_in: str) -> None:
 
 
 def test_readme_shows_the_demo_output_as_format_table_and_format_summary_print_it() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("#  prompt tokens", 1)[1].split("```", 1)[0]
     shown = ("#  prompt tokens" + block).rstrip("\n")
     results = []

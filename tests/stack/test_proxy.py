@@ -25,13 +25,13 @@ from aiohttp import web  # noqa: E402
 
 from kvredis.config import KVRedisConfig  # noqa: E402
 from kvredis.errors import ConfigError  # noqa: E402
-from kvredis.proxy import ProxyConfig, start_proxy  # noqa: E402
+from kvredis.stack.proxy import ProxyConfig, start_proxy  # noqa: E402
 from kvredis.store.announcement import TRANSFER_PARAM, Announcement  # noqa: E402
 from kvredis.store.keys import new_entry_id, prompt_digest  # noqa: E402
 from kvredis.store.transfer import Transfers  # noqa: E402
 from kvredis.v0.buffer import RedisLookupBuffer  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Upper bound on any one scenario, so a proxy bug shows up as a failure rather than a hung test run.
 SCENARIO_BOUND_S = 5.0
 PREFILL_KV_PARAMS = {
@@ -476,7 +476,7 @@ def test_run_proxy_stops_cleanly_on_signal(signum: int) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     script = (
-        "from kvredis.proxy import ProxyConfig, run_proxy\n"
+        "from kvredis.stack.proxy import ProxyConfig, run_proxy\n"
         f"run_proxy(ProxyConfig(['http://127.0.0.1:1'], ['http://127.0.0.1:2']), '127.0.0.1', {port})\n"
     )
     env = {

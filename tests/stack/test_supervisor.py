@@ -25,8 +25,8 @@ from processes import (
     wait_all_gone,
 )
 
-from kvredis.stack import free_ports
-from kvredis.supervisor import ChildFailed, ChildSpec, Supervisor, group_alive, http_ok
+from kvredis.stack.supervisor import ChildFailed, ChildSpec, Supervisor, group_alive, http_ok
+from kvredis.stack.up import free_ports
 
 
 def server_spec(
@@ -178,8 +178,8 @@ def test_check_reports_a_child_that_died_after_start(tmp_path: Path) -> None:
 SUPERVISED = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from kvredis.stack import free_ports
-    from kvredis.supervisor import ChildSpec, Supervisor, http_ok
+    from kvredis.stack.up import free_ports
+    from kvredis.stack.supervisor import ChildSpec, Supervisor, http_ok
     script, log_dir = sys.argv[1], Path(sys.argv[2])
     specs = []
     for role, env in (("stubborn", {"IGNORE_TERM": "1"}), ("plain", {})):
@@ -224,6 +224,6 @@ def test_children_and_grandchildren_die_when_the_supervisor_is_killed(
 
 
 def test_the_watchdog_stops_the_groups_still_listed_at_end_of_file() -> None:
-    from kvredis.watchdog import watch
+    from kvredis.stack.watchdog import watch
 
     assert watch([b"+10\n", b"+11\n", b"-10\n", b"junk\n", b"+12"]) == {11, 12}

@@ -1,13 +1,14 @@
 """The one-machine stack behind ``kvredis up`` and ``kvredis demo``: Redis, vLLM servers and the proxy.
 
-The stack runs every part as a child of a :class:`~kvredis.supervisor.Supervisor` (each in its own process
-group, with its output in a log file): an embedded Redis (``redis-server`` from the PATH on a free port with
-nothing on disk; fakeredis's TCP server inside this process when there is no ``redis-server``; or the Redis
-that ``KVREDIS_URL`` names), a prefill (``kv_producer``) and a decode (``kv_consumer``) ``vllm serve`` on a
-tiny Llama written locally (:mod:`kvredis.tinymodel`; ``StackOptions.prefill_instances``/``decode_instances``
-start more of each, named ``prefill-1``.. and ``decode-1``..), and the disaggregation proxy (``kvredis
-proxy``), given every instance. Parts start phase by phase (Redis, then all engines at once, then the
-proxy), each phase waiting for its members' health checks within a bound.
+The stack runs every part as a child of a :class:`~kvredis.stack.supervisor.Supervisor` (each in its own
+process group, with its output in a log file): an embedded Redis (``redis-server`` from the PATH on a free
+port with nothing on disk; fakeredis's TCP server inside this process when there is no ``redis-server``; or
+the Redis that ``KVREDIS_URL`` names), a prefill (``kv_producer``) and a decode (``kv_consumer``) ``vllm
+serve`` on a tiny Llama written locally (:mod:`kvredis.stack.tinymodel`;
+``StackOptions.prefill_instances``/``decode_instances`` start more of each, named ``prefill-1``.. and
+``decode-1``..), and the disaggregation proxy (``kvredis proxy``), given every instance. Parts start phase by
+phase (Redis, then all engines at once, then the proxy), each phase waiting for its members' health checks
+within a bound.
 
 The engines run as a shared prefix cache (``reuse``: any engine loads the longest stored prefix of a prompt,
 and chunks stay under their TTL) unless ``StackOptions.reuse`` is off; the embedded ``redis-server`` is
@@ -16,7 +17,8 @@ docs/design.md).
 
 The engines run with ``PROMETHEUS_MULTIPROC_DIR`` set: kvredis's connector counts in vLLM's worker process,
 and only then does vLLM's API server serve the series of all its processes on ``/metrics`` (without it
-``/metrics`` shows only the API server's own, where kvredis counts nothing). :mod:`kvredis.demo` reads them.
+``/metrics`` shows only the API server's own, where kvredis counts nothing). :mod:`kvredis.stack.demo` reads
+them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvredis.errors import ChildFailed, KVRedisError, StackError
-from kvredis.supervisor import ChildSpec, StopRequested, Supervisor, http_ok, stop_signals
+from kvredis.stack.supervisor import ChildSpec, StopRequested, Supervisor, http_ok, stop_signals
 
 __all__ = [
     "DEFAULT_PROXY_PORT",
@@ -156,7 +158,7 @@ class StackOptions:
     prefill_instances: int = 1
     decode_instances: int = 1
     policy: str = "round_robin"
-    """How the proxy picks among several instances of a role (see :data:`kvredis.proxy.POLICIES`)."""
+    """How the proxy picks among several instances of a role (see :data:`kvredis.stack.proxy.POLICIES`)."""
     reuse: bool = True
     """The engines share a prefix cache in Redis (``KVREDIS_REUSE``); off: a prompt's KV is taken once."""
     redis_maxmemory: str = "2gb"
@@ -444,7 +446,7 @@ def _role_names(role: str, count: int) -> list[str]:
 
 
 def _check_instances(options: StackOptions) -> None:
-    from kvredis.proxy import POLICIES
+    from kvredis.stack.proxy import POLICIES
 
     for role, count in (("prefill", options.prefill_instances), ("decode", options.decode_instances)):
         if count < 1:
@@ -464,7 +466,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _write_tiny_model(folder: Path) -> None:
     try:
-        from kvredis.tinymodel import write_tiny_llama
+        from kvredis.stack.tinymodel import write_tiny_llama
 
         write_tiny_llama(folder)
     except ImportError as exc:

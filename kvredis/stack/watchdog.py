@@ -1,7 +1,7 @@
-"""The watchdog a :class:`~kvredis.supervisor.Supervisor` starts so that its children die with it.
+"""The watchdog a :class:`~kvredis.stack.supervisor.Supervisor` starts so that its children die with it.
 
-Run as ``python -m kvredis.watchdog GRACE_S`` with a pipe from the supervisor on its standard input, in a
-session of its own (so a Ctrl-C in the terminal, or a kill of the supervisor's process group, does not
+Run as ``python -m kvredis.stack.watchdog GRACE_S`` with a pipe from the supervisor on its standard input, in
+a session of its own (so a Ctrl-C in the terminal, or a kill of the supervisor's process group, does not
 reach it). The supervisor writes ``+PGID`` for each process group it starts and ``-PGID`` once a group is
 gone. The pipe's write end is held by the supervisor alone, so its end of file means the supervisor has
 exited, however it died (SIGKILL included): the watchdog then sends SIGTERM to every group still listed,
@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 
-from kvredis.supervisor import group_alive, signal_group
+from kvredis.stack.supervisor import group_alive, signal_group
 
 
 def watch(lines: Iterable[bytes]) -> set[int]:

@@ -3,7 +3,7 @@
 The demo sends completions through the proxy and checks every answer against the prefill engine's own answer
 for the same request (computed there alone, without disaggregation), and that every decode took its prompt's
 KV cache from Redis. The KV bytes and transfer times it shows are kvredis's own Prometheus counters, read
-from each engine's ``/metrics`` (see :mod:`kvredis.stack` for why the engines run with
+from each engine's ``/metrics`` (see :mod:`kvredis.stack.up` for why the engines run with
 ``PROMETHEUS_MULTIPROC_DIR``).
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvredis.errors import KVRedisError, StackError
-from kvredis.stack import RunningStack, StackOptions, open_stack, vllm_installed
-from kvredis.supervisor import StopRequested, stop_signals
+from kvredis.stack.supervisor import StopRequested, stop_signals
+from kvredis.stack.up import RunningStack, StackOptions, open_stack, vllm_installed
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def demo_requests(count: int, max_tokens: int, seed: int = 0) -> list[DemoReques
 
 def demo(options: StackOptions, count: int = 6, max_tokens: int = 16, out: TextIO | None = None) -> int:
     """Start the stack, run ``count`` completions through the proxy, check and tabulate them, stop."""
-    from kvredis.tinymodel import prompt_text
+    from kvredis.stack.tinymodel import prompt_text
 
     out = out if out is not None else sys.stderr
     begun = time.monotonic()

@@ -10,13 +10,13 @@ to the whole group after a grace period. :func:`stop_signals` turns SIGINT and S
 :class:`StopRequested` so that a stop always runs to its end.
 
 Children die with the supervisor, however it dies. Each group is listed with a watchdog process
-(:mod:`kvredis.watchdog`) that holds a pipe from the supervisor and stops every listed group when the pipe
-ends, which it does when the supervisor exits, even by SIGKILL. On Linux each child also gets a
+(:mod:`kvredis.stack.watchdog`) that holds a pipe from the supervisor and stops every listed group when the
+pipe ends, which it does when the supervisor exits, even by SIGKILL. On Linux each child also gets a
 parent-death signal (``PR_SET_PDEATHSIG``, SIGTERM), set before it runs its command, which covers the
 moment between its start and its listing. The kernel sends that signal when the *thread* that started
 the child ends, so start a supervisor from a thread that outlives it (the main thread).
 
-Nothing here knows about Redis, vLLM or the proxy: :mod:`kvredis.stack` composes those.
+Nothing here knows about Redis, vLLM or the proxy: :mod:`kvredis.stack.up` composes those.
 """
 
 from __future__ import annotations
@@ -330,8 +330,9 @@ class Supervisor:
             # A session of its own: a Ctrl-C in the terminal, or a kill of this process's group, leaves the
             # watchdog to do its work. Its standard input is the pipe whose end it waits for.
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-m", "kvredis.watchdog", f"{_WATCHDOG_GRACE_S:g}"], stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                [sys.executable, "-m", "kvredis.stack.watchdog", f"{_WATCHDOG_GRACE_S:g}"],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )
         except OSError as exc:
             raise StackError(f"cannot start the watchdog that stops the children if this process dies: "

@@ -26,8 +26,8 @@ from processes import (
     wait_until,
 )
 
-from kvredis import stack as stack_module
-from kvredis.stack import StackError, StackOptions, engine_cpu_binds, free_ports, open_stack, redis_ping
+from kvredis.stack import up as stack_module
+from kvredis.stack.up import StackError, StackOptions, engine_cpu_binds, free_ports, open_stack, redis_ping
 
 
 def completion_through(proxy_url: str) -> dict[str, object]:
