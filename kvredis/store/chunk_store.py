@@ -433,7 +433,8 @@ class ChunkStore:
                       on_before: Callable[[], None] | None = None) -> tuple[Any, list[Any], list[Any]] | None:
         """The chunks read on one server, framed by kvredis, between commands ``before`` (at most one) and
         ``after``: the reply of ``before``, each chunk's value (or its :class:`ChunkRead`, where it was
-        checked as it arrived), the replies of ``after``; ``None`` for a stand-in client. ``on_before`` is called as the reply of ``before`` starts to arrive.
+        checked as it arrived), the replies of ``after``; ``None`` for a stand-in client. ``on_before`` is
+        called as the reply of ``before`` starts to arrive.
 
         Each chunk's payload is received straight where it belongs: its pages where ``into`` says (an
         engine's KV blocks), or into one output buffer allocated for all of them (huge pages for large
