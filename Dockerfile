@@ -18,7 +18,7 @@ RUN set -eu; \
     python3 -m pip install --no-deps /opt/kvredis; \
     python3 -m pip install --constraint /tmp/image-packages.txt "redis[hiredis]>=5.0" "msgpack>=1.0" "xxhash>=3.0"; \
     python3 -m pip list --format=freeze | grep -iE '^(torch|vllm)==' | diff /tmp/torch-vllm-before.txt -; \
-    python3 -c "import kvredis, kvredis.buffer, kvredis.proxy; print('kvredis', kvredis.__version__)"; \
+    python3 -c "import kvredis, kvredis.v0.buffer, kvredis.stack.proxy; print('kvredis', kvredis.__version__)"; \
     rm -rf /tmp/image-packages.txt /tmp/torch-vllm-before.txt /opt/kvredis/build
 
 # The image's ENTRYPOINT is `vllm serve`; docker-compose.yml gives each service its whole command.

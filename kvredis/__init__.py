@@ -1,6 +1,6 @@
 """kvredis: vLLM KV-cache transfer for disaggregated prefill, through Redis.
 
-``RedisLookupBuffer`` (``kvredis.buffer``) and ``RedisConnector`` (``kvredis.connector``) are imported
+``RedisLookupBuffer`` (``kvredis.v0.buffer``) and ``RedisConnector`` (``kvredis.v0.connector``) are imported
 on first use, so ``import kvredis`` stays cheap for the command line.
 """
 
@@ -19,8 +19,8 @@ from kvredis.errors import (
 )
 
 if TYPE_CHECKING:
-    from kvredis.buffer import RedisLookupBuffer
-    from kvredis.connector import RedisConnector
+    from kvredis.v0.buffer import RedisLookupBuffer
+    from kvredis.v0.connector import RedisConnector
 
 __version__ = "0.1.0"
 
@@ -40,11 +40,11 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "RedisLookupBuffer":
-        from kvredis.buffer import RedisLookupBuffer
+        from kvredis.v0.buffer import RedisLookupBuffer
 
         return RedisLookupBuffer
     if name == "RedisConnector":
-        from kvredis.connector import RedisConnector
+        from kvredis.v0.connector import RedisConnector
 
         return RedisConnector
     raise AttributeError(f"module 'kvredis' has no attribute {name!r}")

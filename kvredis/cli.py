@@ -18,9 +18,10 @@ from kvredis.config import SETTINGS, KVRedisConfig
 from kvredis.errors import KVRedisError
 
 if TYPE_CHECKING:
-    from kvredis.stack import StackOptions
+    from kvredis.stack.up import StackOptions
 
-# kvredis.proxy.POLICIES, spelled out: importing the proxy needs aiohttp, which the other commands do not.
+# kvredis.stack.proxy.POLICIES, spelled out: importing the proxy needs aiohttp, which the other commands
+# do not.
 _POLICIES = ("round_robin", "least_outstanding")
 
 
@@ -48,9 +49,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     """Print what a namespace holds, and the hit rate of its engines' lookups."""
-    from kvredis.client import RedisStore
-    from kvredis.generation import generation_key, read_generation
-    from kvredis.tally import read_tally, tally_key
+    from kvredis.store.client import RedisStore
+    from kvredis.store.generation import generation_key, read_generation
+    from kvredis.store.tally import read_tally, tally_key
 
     config = _config(args)
     store = RedisStore(config)
@@ -74,10 +75,10 @@ def cmd_purge(args: argparse.Namespace) -> int:
     """Delete every key of a namespace, asking first unless --yes.
 
     It first starts a new cache generation (as vLLM's ``reset_prefix_cache?reset_external=true`` does,
-    :func:`kvredis.generation.reset_namespace`): a chunk a writer still in flight stores after the deletion
-    is under the old generation, which no engine looks up again. The generation's key is kept."""
-    from kvredis.client import RedisStore
-    from kvredis.generation import purge_keys, reset_namespace
+    :func:`kvredis.store.generation.reset_namespace`): a chunk a writer still in flight stores after the
+    deletion is under the old generation, which no engine looks up again. The generation's key is kept."""
+    from kvredis.store.client import RedisStore
+    from kvredis.store.generation import purge_keys, reset_namespace
 
     config = _config(args)
     store = RedisStore(config)
@@ -107,7 +108,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     """Run the disaggregation proxy until SIGINT or SIGTERM."""
     # Imported here: `kvredis --version` and the other commands must work without aiohttp (the proxy extra).
     try:
-        from kvredis.proxy import ProxyConfig, run_proxy
+        from kvredis.stack.proxy import ProxyConfig, run_proxy
     except ImportError as exc:
         if (exc.name or "").split(".")[0] != "aiohttp":
             raise
@@ -134,7 +135,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 def _stack_options(args: argparse.Namespace, proxy_port: int) -> StackOptions:
     """The stack's options from the ``up``/``demo`` arguments and the ``KVREDIS_*`` environment."""
-    from kvredis.stack import StackOptions
+    from kvredis.stack.up import StackOptions
 
     namespace = args.namespace or os.environ.get("KVREDIS_NAMESPACE") or "kvredis"
     return StackOptions(
@@ -167,14 +168,14 @@ def _reuse(flag: bool | None) -> bool:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the one-machine stack (Redis, prefill and decode vLLM, proxy) until Ctrl-C or SIGTERM."""
-    from kvredis.stack import up
+    from kvredis.stack.up import up
 
     return up(_stack_options(args, args.port))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start the stack, send completions through it, check them against the prefill engine alone, stop."""
-    from kvredis.demo import demo
+    from kvredis.stack.demo import demo
 
     # A demo namespace of its own: entries of other runs sharing KVREDIS_URL's Redis cannot mix in.
     if not args.namespace:

@@ -1,7 +1,7 @@
 """The exceptions kvredis raises: one base class, one subclass per cause.
 
 Errors from the layers below (redis-py, msgpack, the socket) are translated at the Redis-access
-boundary (:mod:`kvredis.client`), so callers only ever catch these.
+boundary (:mod:`kvredis.store.client`), so callers only ever catch these.
 """
 
 from __future__ import annotations

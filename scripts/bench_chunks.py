@@ -43,11 +43,11 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from bench_lookup import own_redis  # noqa: E402  (this folder is on sys.path: the script's own)
 
-from kvredis.buffer import RedisLookupBuffer  # noqa: E402
-from kvredis.chunk_store import PageFormat  # noqa: E402
 from kvredis.config import KVRedisConfig  # noqa: E402
-from kvredis.keys import new_entry_id  # noqa: E402
-from kvredis.transfer import Transfers  # noqa: E402
+from kvredis.store.chunk_store import PageFormat  # noqa: E402
+from kvredis.store.keys import new_entry_id  # noqa: E402
+from kvredis.store.transfer import Transfers  # noqa: E402
+from kvredis.v0.buffer import RedisLookupBuffer  # noqa: E402
 
 BLOCK = 16
 PEER_PYTHON = Path.home() / ".cache" / "kvredis" / "lmcache-venv" / "bin" / "python"

@@ -31,11 +31,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvredis.chunk_store import PageFormat  # noqa: E402
-from kvredis.client import RedisStore  # noqa: E402
 from kvredis.config import KVRedisConfig  # noqa: E402
-from kvredis.keys import new_entry_id  # noqa: E402
-from kvredis.transfer import Transfers  # noqa: E402
+from kvredis.store.chunk_store import PageFormat  # noqa: E402
+from kvredis.store.client import RedisStore  # noqa: E402
+from kvredis.store.keys import new_entry_id  # noqa: E402
+from kvredis.store.transfer import Transfers  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 BLOCK, CHUNK = 16, 256  # vLLM's GPU block size, kvredis's chunk length

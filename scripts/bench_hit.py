@@ -49,9 +49,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from bench_chunks import redis_benchmark_get  # noqa: E402
 from bench_serving import engine_args  # noqa: E402
 
-from kvredis.demo import fetch_metrics, parse_samples  # noqa: E402
-from kvredis.stack import StackOptions, open_stack  # noqa: E402
-from kvredis.tinymodel import VOCAB, prompt_text, write_tiny_llama  # noqa: E402
+from kvredis.stack.demo import fetch_metrics, parse_samples  # noqa: E402
+from kvredis.stack.tinymodel import VOCAB, prompt_text, write_tiny_llama  # noqa: E402
+from kvredis.stack.up import StackOptions, open_stack  # noqa: E402
 
 COUNTERS = {
     "loaded_bytes": ("kvredis_bytes_total", {"direction": "loaded"}),

@@ -29,12 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the kvredis of this checkout, whatever the environment has installed
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from kvredis.demo import fetch_metrics, parse_samples  # noqa: E402
-from kvredis.stack import StackOptions, open_stack  # noqa: E402
-from kvredis.tinymodel import prompt_text, write_tiny_gemma3  # noqa: E402
+from kvredis.stack.demo import fetch_metrics, parse_samples  # noqa: E402
+from kvredis.stack.tinymodel import prompt_text, write_tiny_gemma3  # noqa: E402
+from kvredis.stack.up import StackOptions, open_stack  # noqa: E402
 
 LAYERS, FULL_EVERY, WINDOW = 6, 6, 128
-KV_HEADS, HEAD_DIM, BLOCK = 2, 64, 32  # the tiny Gemma 3's (kvredis.tinymodel), the stack's block size
+KV_HEADS, HEAD_DIM, BLOCK = 2, 64, 32  # the tiny Gemma 3's (kvredis.stack.tinymodel), the stack's block size
 PAGE_BYTES = 2 * KV_HEADS * HEAD_DIM * BLOCK * 4  # K and V of a block, float32, one layer
 
 

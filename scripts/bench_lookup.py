@@ -33,11 +33,11 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from kvredis.chunk_keys import ChunkPlan  # noqa: E402
-from kvredis.chunk_store import ChunkStore  # noqa: E402
-from kvredis.client import RedisStore  # noqa: E402
 from kvredis.config import KVRedisConfig  # noqa: E402
-from kvredis.resp import frame  # noqa: E402
+from kvredis.store.chunk_keys import ChunkPlan  # noqa: E402
+from kvredis.store.chunk_store import ChunkStore  # noqa: E402
+from kvredis.store.client import RedisStore  # noqa: E402
+from kvredis.store.resp import frame  # noqa: E402
 
 BLOCK_SIZE = 16
 

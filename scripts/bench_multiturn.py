@@ -47,13 +47,13 @@ sys.path.insert(0, str(REPO))  # the kvredis of this checkout, whatever the envi
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from kvredis.config import KVRedisConfig  # noqa: E402
-from kvredis.demo import fetch_metrics, parse_samples  # noqa: E402
-from kvredis.stack import StackOptions, open_stack  # noqa: E402
-from kvredis.tinymodel import prompt_text, write_tiny_llama  # noqa: E402
+from kvredis.stack.demo import fetch_metrics, parse_samples  # noqa: E402
+from kvredis.stack.tinymodel import prompt_text, write_tiny_llama  # noqa: E402
+from kvredis.stack.up import StackOptions, open_stack  # noqa: E402
 
 MODES = ("reuse", "transfer", "plain", "baseline")
 BLOCK_SIZE = 32  # the stack's block size for the tiny model
-KV_HEADS, HEAD_DIM, DTYPE_BYTES = 2, 64, 4  # the tiny Llama's (kvredis.tinymodel defaults), float32
+KV_HEADS, HEAD_DIM, DTYPE_BYTES = 2, 64, 4  # the tiny Llama's (kvredis.stack.tinymodel defaults), float32
 
 
 @dataclass

@@ -41,12 +41,12 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from bench_serving import bench_serve, engine_args  # noqa: E402
 
-from kvredis.client import RedisStore  # noqa: E402
 from kvredis.config import KVRedisConfig  # noqa: E402
-from kvredis.demo import fetch_metrics, parse_samples  # noqa: E402
-from kvredis.stack import StackOptions, open_stack  # noqa: E402
-from kvredis.tally import read_tally  # noqa: E402
-from kvredis.tinymodel import write_tiny_llama  # noqa: E402
+from kvredis.stack.demo import fetch_metrics, parse_samples  # noqa: E402
+from kvredis.stack.tinymodel import write_tiny_llama  # noqa: E402
+from kvredis.stack.up import StackOptions, open_stack  # noqa: E402
+from kvredis.store.client import RedisStore  # noqa: E402
+from kvredis.store.tally import read_tally  # noqa: E402
 
 MODES = ("reuse", "transfer")
 COUNTERS = {

@@ -39,9 +39,9 @@ sys.path.insert(0, str(REPO))  # the kvredis of this checkout, whatever the envi
 # instruction); the engines get it from the stack the same way.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from kvredis.stack import StackOptions, default_engine_command, free_ports, open_stack  # noqa: E402
-from kvredis.supervisor import ChildSpec, Supervisor, http_ok  # noqa: E402
-from kvredis.tinymodel import write_tiny_llama  # noqa: E402
+from kvredis.stack.supervisor import ChildSpec, Supervisor, http_ok  # noqa: E402
+from kvredis.stack.tinymodel import write_tiny_llama  # noqa: E402
+from kvredis.stack.up import StackOptions, default_engine_command, free_ports, open_stack  # noqa: E402
 
 TARGETS = ("kvredis", "alone", "recompute")
 METRICS = (("median_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
@@ -179,7 +179,7 @@ def handoff(prefill_url: str, decode_url: str, redis_url: str, namespace: str, m
     import requests
     import torch
 
-    from kvredis.tinymodel import prompt_text
+    from kvredis.stack.tinymodel import prompt_text
 
     client = redis.Redis.from_url(redis_url)
     print(f"\nhand-off, {args.handoff} requests of {args.input_len} tokens one at a time:")

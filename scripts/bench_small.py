@@ -31,9 +31,9 @@ from urllib.parse import urlparse
 import redis
 import torch
 
-from kvredis import resp
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
+from kvredis.store import resp
+from kvredis.v0.buffer import RedisLookupBuffer
 
 
 def command(*args: bytes | str | int) -> bytes:

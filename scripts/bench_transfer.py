@@ -76,8 +76,8 @@ LOOKUP_TARGET_S = 0.2e-3  # issue 13: the median lookup under 0.2 ms
 SWEEP_CHUNKS = ("256KiB", "1MiB", "4MiB")
 SWEEP_INFLIGHT = ("1MiB", "4MiB", "16MiB")
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
-_PRELOAD = ["torch", "numpy", "msgpack", "redis", "hiredis", "kvredis.buffer", "kvredis.client",
-            "kvredis.codec"]
+_PRELOAD = ["torch", "numpy", "msgpack", "redis", "hiredis", "kvredis.v0.buffer", "kvredis.store.client",
+            "kvredis.store.codec"]
 
 
 # -- sizes and tensors ---------------------------------------------------------------------------------
@@ -208,8 +208,8 @@ class KVRedisPath(Path):
     def prepare(self, tag: str) -> None:
         import torch
 
-        from kvredis.buffer import RedisLookupBuffer
         from kvredis.config import KVRedisConfig
+        from kvredis.v0.buffer import RedisLookupBuffer
 
         if not hasattr(self, "buffer"):
             namespace = tag.rsplit("-", 1)[0]  # the tag without its round-trip number
@@ -720,8 +720,9 @@ def phases_main(conn: Any, nbytes: int, url: str, prefix: str, repeat: int) -> N
         import redis.client
         import torch
 
-        from kvredis import buffer, client, codec
         from kvredis.config import KVRedisConfig
+        from kvredis.store import client, codec
+        from kvredis.v0 import buffer
 
         timer = PhaseTimer()
         patches = [
@@ -793,8 +794,8 @@ def lookup_main(conn: Any, url: str, namespace: str, lengths: tuple[int, ...]) -
         gc.disable()  # as in worker_main: collections run between phases
         import torch
 
-        from kvredis.buffer import RedisLookupBuffer
         from kvredis.config import KVRedisConfig
+        from kvredis.v0.buffer import RedisLookupBuffer
 
         buffer = RedisLookupBuffer(KVRedisConfig.from_env(overrides={"url": url, "namespace": namespace}))
         prompts = {length: lookup_prompt(length) for length in lengths}
@@ -896,8 +897,8 @@ def run_concurrency(url: str, threads: int, nbytes: int, repeat: int, prefix: st
 
     import torch
 
-    from kvredis.buffer import RedisLookupBuffer
     from kvredis.config import KVRedisConfig
+    from kvredis.v0.buffer import RedisLookupBuffer
 
     kvs = [make_kv(nbytes, 100 + i) for i in range(threads)]
     tokens = [torch.arange(kv_shape(nbytes)[1], dtype=torch.int64) + 1000 * (i + 1) for i in range(threads)]

@@ -62,7 +62,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the kvredis of this checkout, whatever the environment has installed
 
-from kvredis.tinymodel import prompt_text, write_tiny_llama  # noqa: E402
+from kvredis.stack.tinymodel import prompt_text, write_tiny_llama  # noqa: E402
 
 BLOCK_SIZE = 32
 QUIET_S = 1.2  # vLLM's workers poll their queue for 1 s after their last step

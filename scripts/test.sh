@@ -46,6 +46,8 @@ step "package environment ($VENV)"
 step "lint and types"
 "$VENV/bin/ruff" check kvredis tests scripts
 "$VENV/bin/mypy"
+# The package's layers (pyproject.toml, [tool.importlinter]): an import running upward fails the build.
+"$VENV/bin/lint-imports"
 
 step "tests (package)"
 "$VENV/bin/python" -m pytest --ignore=tests/vllm -ra "$@"

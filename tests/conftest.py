@@ -14,13 +14,19 @@ from typing import Any
 import pytest
 import redis
 
+# tests/ for the shared helpers (processes, redis_servers, fake_device), and the folders that mirror the
+# package's layers, whose test modules others import by name (the integration tests run test_buffer's,
+# test_chunk_store's and test_transfer's tests against a cluster). Test module names are unique across
+# these folders.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "store"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "v0"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from processes import FAKE_ENGINE
 from redis_servers import ClusterServers, RedisServer, SentinelServers
 
-from kvredis.buffer import RedisLookupBuffer
 from kvredis.config import KVRedisConfig
+from kvredis.v0.buffer import RedisLookupBuffer
 
 REAL_URL = os.environ.get("KVREDIS_TEST_URL", "redis://127.0.0.1:6379/0")
 # CI sets this so that a missing Redis fails the run instead of silently skipping the real-server tests.

@@ -1,4 +1,4 @@
-"""A fake :class:`kvredis.staging.Device` for testing the CUDA data path's logic on the CPU.
+"""A fake :class:`kvredis.vllm.staging.Device` for testing the CUDA data path's logic on the CPU.
 
 It behaves like a GPU where it matters to the logic, and records what it was asked to do:
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvredis.staging import copy_pages_in, copy_pages_out
+from kvredis.vllm.staging import copy_pages_in, copy_pages_out
 
 GARBAGE = 0xA5
 SYNC_BOUND_S = 60.0  # a fake event nobody completes fails the waiting thread instead of hanging it

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from processes import BOUND_S, REPO_ROOT, kvredis, wait_until
 
-from kvredis.stack import free_ports, vllm_installed
-from kvredis.supervisor import http_ok
+from kvredis.stack.supervisor import http_ok
+from kvredis.stack.up import free_ports, vllm_installed
 
 
 def test_kvredis_proxy_serves_and_stops_on_sigterm(reaper: list[subprocess.Popen[str]]) -> None:
@@ -103,11 +103,11 @@ def test_kvredis_stats_counts_chunks_records_and_holders_with_their_ttls(real_re
 
     import torch
 
-    from kvredis.chunk_store import PageFormat
-    from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
-    from kvredis.keys import new_entry_id
-    from kvredis.transfer import Transfers
+    from kvredis.store.chunk_store import PageFormat
+    from kvredis.store.client import RedisStore
+    from kvredis.store.keys import new_entry_id
+    from kvredis.store.transfer import Transfers
 
     namespace = "t-stats-" + uuid.uuid4().hex[:8]
     config = KVRedisConfig.from_env({}, {"url": real_redis_url, "namespace": namespace})
@@ -143,10 +143,10 @@ def test_kvredis_stats_shows_the_hit_rate_of_every_engine_of_the_namespace(real_
     import uuid
 
     from kvredis.cli import main
-    from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
-    from kvredis.generation import reset_namespace
-    from kvredis.tally import Tally
+    from kvredis.store.client import RedisStore
+    from kvredis.store.generation import reset_namespace
+    from kvredis.store.tally import Tally
 
     namespace = "t-stats-" + uuid.uuid4().hex[:8]
     store = RedisStore(KVRedisConfig.from_env({}, {"url": real_redis_url, "namespace": namespace}))

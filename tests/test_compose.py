@@ -31,8 +31,8 @@ from packaging.version import Version
 from ruamel.yaml import YAML
 
 from kvredis.config import SETTINGS
-from kvredis.proxy import POLICIES
-from kvredis.stack import StackOptions
+from kvredis.stack.proxy import POLICIES
+from kvredis.stack.up import StackOptions
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -16,7 +16,11 @@ Only this package imports vLLM:
 - :mod:`kvredis.vllm.engine`: the supported releases, the engine identity chunks are keyed for, and the
   configurations refused at start-up;
 - :mod:`kvredis.vllm.stats`: the counters and latencies vLLM logs and serves as ``vllm:kvredis_*``;
-- :mod:`kvredis.vllm.events`: KV events for routers (blocks stored in Redis, and dropped by a reset).
+- :mod:`kvredis.vllm.events`: KV events for routers (blocks stored in Redis, and dropped by a reset);
+- :mod:`kvredis.vllm.request_keys`: a request's context digest (LoRA adapter, multimodal inputs,
+  ``cache_salt``);
+- :mod:`kvredis.vllm.paged`: the paging arithmetic between KV cache blocks and chunks' pages;
+- :mod:`kvredis.vllm.staging`: the CUDA data path (pages copied through pinned memory on side streams).
 """
 
 from kvredis.vllm.connector import KVRedisConnector

@@ -9,10 +9,10 @@ configuration, opens the process's :class:`~kvredis.vllm.endpoint.Endpoint` and 
 The producer (prefill) saves the prompts a decode will ask for (requests with ``do_remote_decode``, as the
 proxy sends them; every prompt with ``KVREDIS_STORE_ALL_PROMPTS``) as chunks of whole blocks, writing only
 those Redis lacks, and announces the transfer in the finished request's ``kv_transfer_params``
-(:mod:`kvredis.announcement`). The consumer (decode) loads the tokens beyond its own prefix-cache hit: those
-of the announced transfer, or of the chunks Redis already holds. A chunk's key covers the engine's identity
-(:func:`kvredis.vllm.engine.cache_identity`), the request's context (LoRA adapter, multimodal inputs,
-``cache_salt``: :mod:`kvredis.request_keys`) and every token to its end, so no request reads KV computed
+(:mod:`kvredis.store.announcement`). The consumer (decode) loads the tokens beyond its own prefix-cache hit:
+those of the announced transfer, or of the chunks Redis already holds. A chunk's key covers the engine's
+identity (:func:`kvredis.vllm.engine.cache_identity`), the request's context (LoRA adapter, multimodal inputs,
+``cache_salt``: :mod:`kvredis.vllm.request_keys`) and every token to its end, so no request reads KV computed
 for another adapter, image or tenant. Requests with prompt embeddings are neither saved nor loaded;
 configurations whose pages the connector cannot express are refused at start-up. A load that fails for any
 reason (missing, expired, evicted, corrupt, another model or layout, Redis down or slow) reports the blocks
@@ -35,12 +35,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvredis.config import KVRedisConfig
-from kvredis.request_keys import UNHASHED_MULTIMODAL
 from kvredis.vllm.cache_groups import cache_series, unsupported_state
 from kvredis.vllm.endpoint import Endpoint
 from kvredis.vllm.engine import check_vllm_version, multimodal_inputs_hashed, refuse_unsupported
 from kvredis.vllm.events import StoreReports
 from kvredis.vllm.metadata import KVRedisConnectorMetadata
+from kvredis.vllm.request_keys import UNHASHED_MULTIMODAL
 from kvredis.vllm.scheduler import KVRedisScheduler
 from kvredis.vllm.stats import KVRedisPromMetrics, KVRedisStats
 from kvredis.vllm.worker import KVRedisWorker

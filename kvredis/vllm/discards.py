@@ -8,7 +8,7 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvredis.transfer import Transfers
+from kvredis.store.transfer import Transfers
 from kvredis.vllm.stats import Counts
 
 logger = logging.getLogger("kvredis.vllm")

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
-from kvredis.keys import CacheIdentity, KeySpace
-from kvredis.metrics import Metrics
-from kvredis.transfer import Transfers
+from kvredis.store.client import RedisStore
+from kvredis.store.keys import CacheIdentity, KeySpace
+from kvredis.store.metrics import Metrics
+from kvredis.store.transfer import Transfers
 from kvredis.vllm.cache_groups import STATE, Series, describe
 from kvredis.vllm.engine import cache_identity, worker_pp_rank, worker_tp_rank
 from kvredis.vllm.events import Outcomes

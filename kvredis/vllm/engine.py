@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvredis.errors import ConfigError
-from kvredis.keys import CacheIdentity
+from kvredis.store.keys import CacheIdentity
 from kvredis.vllm.heads import HeadSplit, part_label
 
 if TYPE_CHECKING:

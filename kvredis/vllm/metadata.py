@@ -9,8 +9,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvredis.chunk_keys import ChunkPlan
-from kvredis.transfer import Transfers
+from kvredis.store.chunk_keys import ChunkPlan
+from kvredis.store.transfer import Transfers
 from kvredis.vllm.cache_groups import STATE, Series
 
 

@@ -2,10 +2,10 @@
 and what a prefill announces to its decode.
 
 On a consumer (decode), a request is loadable when its prefill announced a transfer that fits this engine
-(:mod:`kvredis.announcement`), or when Redis holds the first chunks of its prompt (one bounded lookup,
-:meth:`kvredis.chunk_store.ChunkStore.stored_prefix`, on a thread of its own: a lookup Redis has not answered
-within the step's short wait is answered "not yet", which vLLM's scheduler takes as "ask again next step",
-so a slow Redis never holds the engine's step). It reports the tokens beyond its own prefix-cache hit
+(:mod:`kvredis.store.announcement`), or when Redis holds the first chunks of its prompt (one bounded lookup,
+:meth:`kvredis.store.chunk_store.ChunkStore.stored_prefix`, on a thread of its own: a lookup Redis has not
+answered within the step's short wait is answered "not yet", which vLLM's scheduler takes as "ask again next
+step", so a slow Redis never holds the engine's step). It reports the tokens beyond its own prefix-cache hit
 up to the stored ones (never the last: vLLM computes it), and plans their load into the blocks vLLM
 allocated. An announced transfer it will not load (the prefix cache covers the prompt, the request ended
 first) is released at once. On a producer (prefill), a prompt whose request asks for a remote decode is
@@ -22,14 +22,18 @@ from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvredis.announcement import GENERATION_FIELD, Announcement, MalformedAnnouncement, read_announcement
-from kvredis.chunk_keys import ChunkPlan
 from kvredis.errors import KVRedisError
-from kvredis.generation import Generation, with_generation
-from kvredis.keys import KeySpace, new_entry_id, prompt_digest
-from kvredis.request_keys import AdapterDigests, request_context
-from kvredis.tally import Tally
-from kvredis.transfer import Transfers
+from kvredis.store.announcement import (
+    GENERATION_FIELD,
+    Announcement,
+    MalformedAnnouncement,
+    read_announcement,
+)
+from kvredis.store.chunk_keys import ChunkPlan
+from kvredis.store.generation import Generation, with_generation
+from kvredis.store.keys import KeySpace, new_entry_id, prompt_digest
+from kvredis.store.tally import Tally
+from kvredis.store.transfer import Transfers
 from kvredis.vllm.cache_groups import STATE, resume_step
 from kvredis.vllm.discards import Discards
 from kvredis.vllm.endpoint import Endpoint, kv_events_enabled, series_prefix
@@ -37,6 +41,7 @@ from kvredis.vllm.engine import cache_identity
 from kvredis.vllm.events import StoredBlocks, StoreReports
 from kvredis.vllm.heads import sources
 from kvredis.vllm.metadata import KVRedisConnectorMetadata, TransferSpec, resume_end, stored_plan, token_list
+from kvredis.vllm.request_keys import AdapterDigests, request_context
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

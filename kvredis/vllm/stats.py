@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvredis.metrics import Metrics
+from kvredis.store.metrics import Metrics
 
 STATS = {
     "loaded_requests": "Requests whose prompt KV was loaded from Redis",
@@ -177,8 +177,8 @@ class Counts:
 
 
 class ConnectorMetrics(Metrics):
-    """The endpoint's :class:`~kvredis.metrics.Metrics` (``kvredis_*`` series of the process's registry),
-    whose every store and load is also a sample of vLLM's connector stats (:class:`Counts`)."""
+    """The endpoint's :class:`~kvredis.store.metrics.Metrics` (``kvredis_*`` series of the process's
+    registry), whose every store and load is also a sample of vLLM's connector stats (:class:`Counts`)."""
 
     def __init__(self, namespace: str, counts: Counts) -> None:
         super().__init__(namespace)

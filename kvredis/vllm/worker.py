@@ -6,10 +6,10 @@ layer finishes, and ``wait_for_save`` copies any layer whose hook did not run (a
 Python) from the registered caches, then hands the prompt to a writer thread, so the write overlaps the next
 step. The blocks are free to reuse as soon as the step ends (the pages were copied; on a GPU the copies are
 queued on a side stream into pinned memory, and every later kernel of the forward's stream waits for them:
-:mod:`kvredis.staging`). A consumer's loads run on threads of their own: each takes the chunks covering the
-request's external positions (waiting for an announced transfer up to ``KVREDIS_POP_TIMEOUT_S``) and writes
-their pages into the request's blocks; a load that fails for any reason reports the blocks from the first
-position it could not fill through ``get_block_ids_with_load_errors``, so vLLM recomputes them.
+:mod:`kvredis.vllm.staging`). A consumer's loads run on threads of their own: each takes the chunks covering
+the request's external positions (waiting for an announced transfer up to ``KVREDIS_POP_TIMEOUT_S``) and
+writes their pages into the request's blocks; a load that fails for any reason reports the blocks from the
+first position it could not fill through ``get_block_ids_with_load_errors``, so vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvredis import staging
-from kvredis.chunk_keys import ChunkPlan
-from kvredis.chunk_store import PageFormat
 from kvredis.errors import KVRedisError
-from kvredis.keys import reader_id
-from kvredis.paged import PagedLayout, block_span
-from kvredis.transfer import Saved, Taken, Transfers
+from kvredis.store.chunk_keys import ChunkPlan
+from kvredis.store.chunk_store import PageFormat
+from kvredis.store.keys import reader_id
+from kvredis.store.transfer import Saved, Taken, Transfers
+from kvredis.vllm import staging
 from kvredis.vllm.cache_groups import FULL, STATE, Series, resume_step
 from kvredis.vllm.discards import Discards
 from kvredis.vllm.endpoint import Endpoint
@@ -43,6 +42,7 @@ from kvredis.vllm.metadata import (
     series_plan,
     stored_blocks,
 )
+from kvredis.vllm.paged import PagedLayout, block_span
 
 logger = logging.getLogger("kvredis.vllm")
 
@@ -710,8 +710,8 @@ class _PageViews:
 
 
 class _PinnedPlacement:
-    """A load's :data:`~kvredis.chunk_store.PagesPlace` on a GPU: each chunk's pages in its own range of a
-    pinned buffer leased for the load (the read returns them as tensors there, which the device copies
+    """A load's :data:`~kvredis.store.chunk_store.PagesPlace` on a GPU: each chunk's pages in its own range of
+    a pinned buffer leased for the load (the read returns them as tensors there, which the device copies
     from); :meth:`done` hands the buffer back once those copies ran."""
 
     in_place = False
@@ -737,7 +737,7 @@ class _PinnedPlacement:
 
 
 class _BlockPlacement:
-    """A load's :data:`~kvredis.chunk_store.PagesPlace`: each chunk's pages land in the request's blocks
+    """A load's :data:`~kvredis.store.chunk_store.PagesPlace`: each chunk's pages land in the request's blocks
     (every layer's, in the chunk's ``[layers, pages, ...]`` order), those of blocks the load does not write
     (the local prefix cache's, shared with other requests) in scratch memory of their own, so that the
     chunk's checksum still covers every byte. The first placement holds the caches' write gate until

@@ -20,20 +20,20 @@ import test_buffer
 import test_chunk_store
 import test_transfer
 import torch
+from kv_entries import assert_entry, identical, kv_entry, random_tensor
 from redis.crc import key_slot
 from redis_servers import ClusterServers, free_port
-from test_buffer import assert_entry, identical, kv_entry, random_tensor
 from test_chunk_store import chunk_store  # noqa: F401 - the fixture
 from test_security import Certs, certs  # noqa: F401 - the fixture, for the TLS cluster
 from test_transfer import make_shared, make_transfers  # noqa: F401 - the fixtures
 
 from kvredis import KVRedisConnectionError, KVRedisError
-from kvredis.buffer import RedisLookupBuffer
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
-from kvredis.keys import Prompt
-from kvredis.redis_errors import translate_errors
+from kvredis.store.client import RedisStore
+from kvredis.store.keys import Prompt
+from kvredis.store.redis_errors import translate_errors
+from kvredis.v0.buffer import RedisLookupBuffer
 
 MISS = [None] * 5
 

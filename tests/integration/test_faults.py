@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 import torch
+from kv_entries import assert_entry, identical, kv_entry, random_tensor
 from redis_servers import RedisServer
-from test_buffer import assert_entry, identical, kv_entry, random_tensor
 
-from kvredis import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError, resp
+from kvredis import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
+from kvredis.store import resp
 
 MISS = [None] * 5
 SLACK_S = 0.5  # scheduling and start-up slack on a loaded 2-core machine

@@ -28,18 +28,19 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from kv_entries import assert_entry, kv_entry
 from redis_servers import RedisServer, ServerTLS, free_port
-from test_buffer import assert_entry, kv_entry
 
-from kvredis import ConfigError, KVRedisConnectionError, KVRedisError, KVRedisTimeoutError, codec
-from kvredis.buffer import RedisLookupBuffer
-from kvredis.chunk_store import PageFormat
-from kvredis.client import RedisStore
+from kvredis import ConfigError, KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
 from kvredis.config import KVRedisConfig
-from kvredis.generation import Generation, generation_key
-from kvredis.keys import CacheIdentity, new_entry_id
-from kvredis.tally import Tally, tally_key
-from kvredis.transfer import Transfers
+from kvredis.store import codec
+from kvredis.store.chunk_store import PageFormat
+from kvredis.store.client import RedisStore
+from kvredis.store.generation import Generation, generation_key
+from kvredis.store.keys import CacheIdentity, new_entry_id
+from kvredis.store.tally import Tally, tally_key
+from kvredis.store.transfer import Transfers
+from kvredis.v0.buffer import RedisLookupBuffer
 
 MISS = [None] * 5
 BUFFER_COMMANDS = ("rpush", "pexpire", "multi", "exec", "blpop", "llen", "set", "getdel", "del")

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 import test_buffer
+from kv_entries import assert_entry, kv_entry
 from redis_servers import SentinelServers, free_port
-from test_buffer import assert_entry, kv_entry
 from test_cluster import make_entries
 
 from kvredis import KVRedisConnectionError, KVRedisError
-from kvredis.client import RedisStore
 from kvredis.config import KVRedisConfig
 from kvredis.errors import ConfigError
+from kvredis.store.client import RedisStore
 
 MISS = [None] * 5
 

@@ -127,6 +127,6 @@ BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama folder (config, word-level tokenizer, seeded weights), written once per session."""
-    from kvredis.tinymodel import write_tiny_llama
+    from kvredis.stack.tinymodel import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -25,11 +25,11 @@ import torch
 from conftest import BLOCK_SIZE
 from redis_servers import RedisServer, free_port, wait_until
 
-from kvredis.announcement import TRANSFER_PARAM
-from kvredis.stack import engine_cpu_binds
-from kvredis.tally import tally_key
-from kvredis.tinymodel import prompt_text
-from kvredis.transfer import record_digests
+from kvredis.stack.tinymodel import prompt_text
+from kvredis.stack.up import engine_cpu_binds
+from kvredis.store.announcement import TRANSFER_PARAM
+from kvredis.store.tally import tally_key
+from kvredis.store.transfer import record_digests
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST_TIMEOUT_S = 300.0
@@ -302,7 +302,7 @@ def kv_transfer_config(role: str, redis_url: str, namespace: str, **extra: Any) 
 
 def cpu_bind(kv_config: dict[str, Any] | None, tensor_parallel: int = 1) -> str:
     """The engine's ``VLLM_CPU_OMP_THREADS_BIND``: a prefill's and a decode's cores apart, as ``kvredis up``
-    places them (:func:`kvredis.stack.engine_cpu_binds`); ``nobind`` (no pinning) for an engine without the
+    places them (:func:`kvredis.stack.up.engine_cpu_binds`); ``nobind`` (no pinning) for an engine without the
     connector, and for tensor-parallel ranks, more than this machine's cores can keep apart.
 
     vLLM's default pins every engine's worker to the same core, where a decode waiting for its KV kept the

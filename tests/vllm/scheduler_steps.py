@@ -18,8 +18,8 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
-from kvredis.generation import generation_key
-from kvredis.tally import tally_key
+from kvredis.store.generation import generation_key
+from kvredis.store.tally import tally_key
 
 STEP_TIMEOUT_S = 10.0
 

@@ -1,7 +1,7 @@
-"""The connector's CUDA data path (kvredis.staging) under vLLM's real scheduler, on a fake device.
+"""The connector's CUDA data path (kvredis.vllm.staging) under vLLM's real scheduler, on a fake device.
 
 No GPU runs here: each engine's worker gets a :class:`fake_device.FakeDevice` in place of
-``kvredis.staging.device_for``'s answer, so its caches (CPU tensors) are moved the way they would be on a
+``kvredis.vllm.staging.device_for``'s answer, so its caches (CPU tensors) are moved the way they would be on a
 GPU: through pinned buffers, on side streams, with events that complete when the test says so (or, with
 ``auto``, when someone waits for them). The harness is ``test_scheduler``'s; engines without a fake take the
 CPU path (``staging.device_for`` is ``None`` for CPU caches), whose own tests are the other files.
@@ -33,7 +33,7 @@ from test_scheduler import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvredis import staging
+from kvredis.vllm import staging
 
 make_engine = test_scheduler.make_engine  # the harness's fixture
 

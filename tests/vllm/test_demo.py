@@ -24,8 +24,8 @@ pytest.importorskip("vllm.version")
 from engine_servers import TEST_TIMEOUT_ENV
 from processes import running
 
-from kvredis.demo import DEMO_LENGTHS
-from kvredis.supervisor import group_alive
+from kvredis.stack.demo import DEMO_LENGTHS
+from kvredis.stack.supervisor import group_alive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The demo takes about a minute here (engines start in 30-40 s, concurrently); the bound leaves room for a

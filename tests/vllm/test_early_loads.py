@@ -22,7 +22,7 @@ from test_scheduler import TRANSFER_PARAM, announcement, prompt_of
 from vllm.config import SchedulerConfig
 from vllm.v1.request import RequestStatus
 
-from kvredis.keys import new_entry_id
+from kvredis.store.keys import new_entry_id
 
 make_engine = test_scheduler.make_engine  # the harness's fixture
 

@@ -44,15 +44,15 @@ from engine_servers import (
 )
 from redis_servers import wait_until
 
-from kvredis import codec
 from kvredis.config import KVRedisConfig
-from kvredis.tinymodel import prompt_text
+from kvredis.stack.tinymodel import prompt_text
+from kvredis.store import codec
 
 START_TIMEOUT_S = 300.0
 CHUNK_TOKENS = KVRedisConfig().chunk_tokens  # the default, a multiple of the engines' block size
 LENGTHS = [5, 20, 31, 32, 33, 64, 65, 100, 257, 513, 1000, 1500]
 BLOCK_PAGES_BYTES = 2 * (2 * 2 * BLOCK_SIZE * 64 * 4)  # a block's pages in the tiny Llama's 2 layers (K and V
-# of 2 KV heads of 64, float32): kvredis.tinymodel's defaults
+# of 2 KV heads of 64, float32): kvredis.stack.tinymodel's defaults
 """Prompt lengths: shorter than a block (5, 20, 31), whole blocks (32, 64), k*32+1 (33, 65, 257, 513),
 ~1000 tokens and more."""
 

@@ -41,7 +41,12 @@ from engine_servers import (
     wait_ready,
 )
 
-from kvredis.tinymodel import prompt_text, write_tiny_gemma3, write_tiny_nemotron_h, write_tiny_qwen3_next
+from kvredis.stack.tinymodel import (
+    prompt_text,
+    write_tiny_gemma3,
+    write_tiny_nemotron_h,
+    write_tiny_qwen3_next,
+)
 
 START_TIMEOUT_S = 600.0
 MAX_MODEL_LEN = 1024

@@ -52,10 +52,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvredis.announcement import TRANSFER_PARAM
 from kvredis.errors import ConfigError
-from kvredis.tinymodel import write_tiny_llama
-from kvredis.transfer import record_digests
+from kvredis.stack.tinymodel import write_tiny_llama
+from kvredis.store.announcement import TRANSFER_PARAM
+from kvredis.store.transfer import record_digests
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import endpoint as endpoint_module
 from kvredis.vllm.heads import HeadSplit

@@ -30,10 +30,10 @@ from engine_servers import (
     wait_ready,
 )
 
-from kvredis import codec
-from kvredis.announcement import TRANSFER_PARAM
-from kvredis.tinymodel import write_tiny_deepseek_mla
-from kvredis.transfer import parse_record
+from kvredis.stack.tinymodel import write_tiny_deepseek_mla
+from kvredis.store import codec
+from kvredis.store.announcement import TRANSFER_PARAM
+from kvredis.store.transfer import parse_record
 
 TP = 2
 START_TIMEOUT_S = 400.0

@@ -1,6 +1,6 @@
 """Requests with images through ``kvredis proxy``: a tiny BLIP-2 written at test time (vision tower,
-Q-Former and the tiny Llama, ``kvredis.tinymodel.write_tiny_blip2``), served by ``vllm serve`` engines and
-driven with the ``openai`` client's chat completions carrying PNG images as data URIs.
+Q-Former and the tiny Llama, ``kvredis.stack.tinymodel.write_tiny_blip2``), served by ``vllm serve`` engines
+and driven with the ``openai`` client's chat completions carrying PNG images as data URIs.
 
 Every image, whatever it shows, becomes the same 40 placeholder tokens at the start of the prompt: two
 requests with the same text and different images have the same token IDs, and only vLLM's hash of each image
@@ -43,7 +43,7 @@ from PIL import Image
 from redis_servers import wait_until
 
 from kvredis.config import KVRedisConfig
-from kvredis.tinymodel import IMAGE_TOKEN_ID, prompt_text, write_tiny_blip2
+from kvredis.stack.tinymodel import IMAGE_TOKEN_ID, prompt_text, write_tiny_blip2
 
 START_TIMEOUT_S = 600.0  # three engines on two cores: 1-3 minutes, more when the VM stalls
 REQUEST_TIMEOUT_S = 300.0

@@ -38,9 +38,9 @@ from engine_servers import (
 )
 from redis_servers import wait_until
 
-from kvredis.chunk_keys import ChunkPlan
 from kvredis.config import KVRedisConfig
-from kvredis.tinymodel import prompt_text
+from kvredis.stack.tinymodel import prompt_text
+from kvredis.store.chunk_keys import ChunkPlan
 
 START_TIMEOUT_S = 600.0
 MAX_MODEL_LEN = 1024

@@ -26,8 +26,7 @@ pytest.importorskip("vllm.version")
 
 from engine_servers import TEST_TIMEOUT_ENV
 
-from kvredis.chunk_keys import key_kind
-from kvredis.demo import (
+from kvredis.stack.demo import (
     demo_requests,
     fetch_metrics,
     kvredis_metrics,
@@ -36,9 +35,10 @@ from kvredis.demo import (
     purge_namespace,
     stream_completion,
 )
-from kvredis.stack import RunningStack, StackOptions, open_stack
-from kvredis.supervisor import group_alive
-from kvredis.tinymodel import prompt_text
+from kvredis.stack.supervisor import group_alive
+from kvredis.stack.tinymodel import prompt_text
+from kvredis.stack.up import RunningStack, StackOptions, open_stack
+from kvredis.store.chunk_keys import key_kind
 
 # Four engines start in about two minutes on two cores (each takes 30-40 s alone); the bound leaves room for a
 # loaded machine without letting a hang run forever.
@@ -93,9 +93,9 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
 
 
 def _keys(running: RunningStack) -> list[str]:
-    from kvredis.client import RedisStore
     from kvredis.config import KVRedisConfig
-    from kvredis.tally import tally_key
+    from kvredis.store.client import RedisStore
+    from kvredis.store.tally import tally_key
 
     config = KVRedisConfig.from_env(overrides={"url": running.redis_url, "namespace": running.namespace})
     store = RedisStore(config)

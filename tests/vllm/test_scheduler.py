@@ -60,12 +60,12 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvredis import codec
-from kvredis.announcement import TRANSFER_PARAM
-from kvredis.chunk_keys import ChunkPlan
-from kvredis.keys import new_entry_id
-from kvredis.tally import read_tally
-from kvredis.transfer import record_digests
+from kvredis.store import codec
+from kvredis.store.announcement import TRANSFER_PARAM
+from kvredis.store.chunk_keys import ChunkPlan
+from kvredis.store.keys import new_entry_id
+from kvredis.store.tally import read_tally
+from kvredis.store.transfer import record_digests
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import worker as worker_module
 
@@ -835,7 +835,7 @@ def test_an_adapter_renamed_to_other_weights_gets_other_keys(tmp_path: Path) -> 
     the same weights under another folder (the decode engine's own copy) must."""
     from vllm.lora.request import LoRARequest
 
-    from kvredis.request_keys import AdapterDigests, request_context
+    from kvredis.vllm.request_keys import AdapterDigests, request_context
 
     digests = AdapterDigests()
     first = _adapter(tmp_path / "one", "a", 1)
@@ -879,7 +879,7 @@ def test_cache_salt_keeps_tenants_apart(make_engine) -> None:
 def test_multimodal_inputs_are_part_of_the_key(make_engine) -> None:
     """Same placeholder tokens, different images (or the same image elsewhere): different keys. The
     scheduler's lookup and the worker's store compute the same key for the same image."""
-    from kvredis.request_keys import request_context
+    from kvredis.vllm.request_keys import request_context
 
     consumer = make_engine("kv_consumer")
     prompt = prompt_of(60, seed=42)
@@ -921,9 +921,9 @@ def test_images_are_not_moved_where_vllm_names_them_by_a_counter(tiny_model: Pat
     """vLLM hashes an image's content unless prefix caching and the multimodal processor cache are both off;
     then it names it by a counter of the process, the same on every engine for its n-th image. Requests with
     images are unsupported there (never keyed by such a name); text-only requests are not affected."""
-    from kvredis.request_keys import request_context
-    from kvredis.tinymodel import write_tiny_blip2
+    from kvredis.stack.tinymodel import write_tiny_blip2
     from kvredis.vllm.engine import multimodal_inputs_hashed
+    from kvredis.vllm.request_keys import request_context
 
     blip2 = write_tiny_blip2(tmp_path / "blip2")
 

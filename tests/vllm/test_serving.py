@@ -51,7 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis_servers import wait_until
 
 from kvredis.config import KVRedisConfig
-from kvredis.tinymodel import prompt_text
+from kvredis.stack.tinymodel import prompt_text
 
 START_TIMEOUT_S = 600.0  # four engines with LoRA on two cores: 2-4 minutes, more when the VM stalls
 DECODE_BLOCKS = 40  # x 32 tokens: three 400-token requests fill it

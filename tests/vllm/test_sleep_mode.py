@@ -29,9 +29,9 @@ from test_scheduler import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-from kvredis.paged import PagedLayout
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm import worker as worker_module
+from kvredis.vllm.paged import PagedLayout
 
 make_engine = test_scheduler.make_engine  # the harness's fixtures
 next_entry_id = test_scheduler.next_entry_id

@@ -28,8 +28,8 @@ pytest.importorskip("vllm.version")
 from engine_servers import TEST_TIMEOUT_ENV
 from processes import running
 
-from kvredis.stack import TINY_MODEL_NAME, StackOptions, open_stack
-from kvredis.supervisor import group_alive, group_members
+from kvredis.stack.supervisor import group_alive, group_members
+from kvredis.stack.up import TINY_MODEL_NAME, StackOptions, open_stack
 
 # Both engines start in 30-40 s here, concurrently; the bound leaves room for a loaded CI machine.
 STARTUP_BOUND_S = 420.0

@@ -40,15 +40,15 @@ from engine_servers import (
     wait_ready,
 )
 
-from kvredis import codec
-from kvredis.announcement import TRANSFER_PARAM
 from kvredis.config import KVRedisConfig
-from kvredis.tinymodel import write_tiny_llama
-from kvredis.transfer import parse_record
+from kvredis.stack.tinymodel import write_tiny_llama
+from kvredis.store import codec
+from kvredis.store.announcement import TRANSFER_PARAM
+from kvredis.store.transfer import parse_record
 
 TP = 2
 START_TIMEOUT_S = 300.0
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny model's (kvredis.tinymodel defaults)
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny model's (kvredis.stack.tinymodel defaults)
 
 
 @dataclass

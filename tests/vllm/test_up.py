@@ -24,7 +24,7 @@ pytest.importorskip("vllm.version")
 from engine_servers import TEST_TIMEOUT_ENV
 from processes import running, wait_all_gone
 
-from kvredis.supervisor import group_alive, group_members
+from kvredis.stack.supervisor import group_alive, group_members
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Both engines start in 30-40 s here, concurrently; the bound leaves room for a loaded CI machine.

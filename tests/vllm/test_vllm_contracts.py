@@ -20,7 +20,7 @@ from redis_servers import RedisServer
 from test_scheduler import Engine, assert_nothing_left, prompt_of
 from vllm.config import KVTransferConfig
 
-from kvredis.generation import generation_key
+from kvredis.store.generation import generation_key
 from kvredis.vllm import KVRedisConnector
 from kvredis.vllm.stats import Counts
 
@@ -322,7 +322,7 @@ def test_stored_chunks_and_a_resets_drop_are_published_as_kv_events(make_engine,
 
 def test_a_save_that_failed_is_not_published(make_engine, monkeypatch) -> None:
     from kvredis.errors import KVRedisError
-    from kvredis.transfer import Transfers
+    from kvredis.store.transfer import Transfers
 
     engine, published = events_engine(make_engine)
 

@@ -33,7 +33,7 @@ from engine_servers import Server, kv_transfer_config, prompt_of, start_redis, s
 from redis_servers import free_port
 from test_shared_cache import COUNTERS_BOUND_S, MAX_MODEL_LEN, START_TIMEOUT_S, Pair, settled
 
-from kvredis.generation import generation_key
+from kvredis.store.generation import generation_key
 
 
 class Subscriber:
