@@ -442,12 +442,12 @@ class ChunkStore:
         is known from the page format, and it is the value's tail. A chunk of at most
         ``KVREDIS_INFLIGHT_BYTES`` (or ``KVREDIS_CHUNK_BYTES`` if larger) is one GET; a larger one is read in
         pieces of ``KVREDIS_CHUNK_BYTES`` with GETRANGE, about ``KVREDIS_INFLIGHT_BYTES`` requested ahead
-        (Redis serves a reply of a few MiB much faster than one of many: docs/benchmarks.md). Pieces of
-        one value read apart could come from two values if the key were written again between them; each
-        chunk's checksum then fails, so the read is a miss, never mixed bytes. Without checksums the pieces
-        are read inside one MULTI/EXEC, one snapshot. A value whose length does not fit the layout (another
-        format, a planted value) is fetched again whole and checked as such, so it is dropped for the same
-        cause as ever."""
+        (Redis serves a reply of a few MiB much faster than one of many: docs/benchmarks-history.md).
+        Pieces of one value read apart could come from two values if the key were written again between
+        them; each chunk's checksum then fails, so the read is a miss, never mixed bytes. Without checksums
+        the pieces are read inside one MULTI/EXEC, one snapshot. A value whose length does not fit the
+        layout (another format, a planted value) is fetched again whole and checked as such, so it is
+        dropped for the same cause as ever."""
         piece = max(self.store.config.chunk_bytes, 1)
         # A value Redis serves well as one reply (up to the bytes kept in flight) is one GET: cut into
         # pieces, a chunk just over a piece would cost a round trip for its last few bytes.

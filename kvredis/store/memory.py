@@ -2,10 +2,10 @@
 
 Outputs of :data:`HUGE_OUTPUT_RANGE` are anonymous memory advised to use transparent huge pages (Linux):
 filling fresh memory is mostly page faults, and 2 MiB pages take 512 times fewer. Measured on the test VM
-(docs/benchmarks.md): 128 MiB entries read in 52-80 ms instead of 95-110; at 16 MiB no gain (the allocator
-reuses freed memory); from 256 MiB the results went both ways and 1 GiB reads got slower (a median of 1.6 s
-instead of 0.76 s: fresh huge pages there cost more than they save), so those keep plain pages. The lookup
-buffer's entries and the chunk store's reads use it.
+(docs/benchmarks-history.md): 128 MiB entries read in 52-80 ms instead of 95-110; at 16 MiB no gain (the
+allocator reuses freed memory); from 256 MiB the results went both ways and 1 GiB reads got slower (a median
+of 1.6 s instead of 0.76 s: fresh huge pages there cost more than they save), so those keep plain pages. The
+lookup buffer's entries and the chunk store's reads use it.
 """
 
 from __future__ import annotations

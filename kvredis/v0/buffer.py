@@ -56,7 +56,8 @@ Allocate = Callable[[int], torch.Tensor]
 _MISS: tuple[None, None, None, None, None] = (None, None, None, None, None)
 _MIN_CHUNK, _MAX_CHUNK = 4096, 256 << 20  # KVREDIS_CHUNK_BYTES's range
 # Entries this large (and chunked) are hashed in a thread while their pieces are sent: at 128 MiB the
-# checksum took 14 ms of a 90 ms write, which the raw-socket reference does not spend (docs/benchmarks.md).
+# checksum took 14 ms of a 90 ms write, which the raw-socket reference does not spend
+# (docs/benchmarks-history.md).
 _HASH_ALONGSIDE_BYTES = 32 << 20
 
 

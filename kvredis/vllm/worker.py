@@ -379,7 +379,8 @@ class KVRedisWorker:
         done = time.monotonic()
         if spec.entry_id is None or done - handed_at < self.config.pop_timeout_s / 2:
             return
-        # On the CPU, the usual cause: a decode on this engine's core, spinning while it waits (README).
+        # On the CPU, the usual cause: a decode on this engine's core, spinning while it waits
+        # (docs/deployment.md, "CPU engines on one machine").
         hint = ("" if self._staging is not None else "; CPU engines on one machine need cores of their own "
                 "(VLLM_CPU_OMP_THREADS_BIND), or a waiting decode can hold the prefill back")
         logger.warning("request %s: its KV reached Redis %.1f s after its prefill step (%.1f s waiting for a "

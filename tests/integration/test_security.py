@@ -44,11 +44,11 @@ from kvredis.v0.buffer import RedisLookupBuffer
 
 MISS = [None] * 5
 BUFFER_COMMANDS = ("rpush", "pexpire", "multi", "exec", "blpop", "llen", "set", "getdel", "del")
-"""The commands the lookup buffer sends; README's minimal ACL rule lists exactly these."""
+"""The commands the lookup buffer sends; the minimal ACL rule of docs/deployment.md lists exactly these."""
 
 
 def acl_rules(namespace: str, commands: tuple[str, ...] = BUFFER_COMMANDS) -> list[str]:
-    """The README's minimal rule for a buffer user of ``namespace``, as ACL SETUSER arguments."""
+    """docs/deployment.md's minimal rule for a buffer user of ``namespace``, as ACL SETUSER arguments."""
     return [f"~{namespace}:*", "resetchannels", "-@all", *(f"+{name}" for name in commands)]
 
 
@@ -385,7 +385,7 @@ def test_a_user_lacking_any_command_of_the_rule_fails_clearly(acl_server, namesp
 CHUNK_COMMANDS = ("exists", "evalsha", "script|load", "set", "sadd", "srem", "scard", "pexpire", "get", "del",
                   "getrange", "getex", "rpush", "multi", "exec", "blpop", "hincrby", "incr")
 """The commands the vLLM connector's chunk store sends, its scripts' included (ACL checks those too);
-README's rule for connector users lists exactly these."""
+docs/deployment.md's rule for connector users lists exactly these."""
 
 
 def transfer_round_trip(url: str, namespace: str, admin: Any) -> None:
