@@ -115,7 +115,7 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
     halves: list[tuple[float, float]] = []
     try:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, load average "
+        print(f"# {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, load average "
               f"{load}, {os.cpu_count()} CPUs; {total >> 20} MiB of pages ({page_format.layers} layers, "
               f"pages {page_format.page_shape} {page_format.dtype}), median of {args.repeat}")
         for _ in range(args.repeat + 1):  # the first round trip warms up
@@ -177,7 +177,7 @@ def measure(url: str, args: argparse.Namespace) -> int:
     buffer = RedisLookupBuffer(config)
     try:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, load average "
+        print(f"# {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, load average "
               f"{load}, {os.cpu_count()} CPUs")
         print(f"whole-prompt round trip (write, then read), median of {args.repeat}; chunks of "
               f"{args.chunk_tokens} tokens")

@@ -181,7 +181,7 @@ def report(args: argparse.Namespace, took: float, computed: list[float], hits: l
            moved: dict[str, dict[str, float]], get: float, matched: int, kv_per_token: int) -> None:
     """Print the run's figures against their targets."""
     load = os.getloadavg()
-    print(f"# {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, {os.cpu_count()} "
+    print(f"# {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, {os.cpu_count()} "
           f"CPUs, load average {load[0]:.2f}; {took:.0f} s")
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, "
           f"float32, block 32 ({kv_per_token // 1024} KiB of KV a token); {args.prefills} prefills + 1 "

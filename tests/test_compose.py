@@ -17,7 +17,7 @@ import importlib.util
 import json
 import re
 import shlex
-import sys
+import tomllib
 from collections.abc import Iterator, Mapping
 from functools import cache
 from pathlib import Path
@@ -33,11 +33,6 @@ from ruamel.yaml import YAML
 from kvredis.config import SETTINGS
 from kvredis.stack.proxy import POLICIES
 from kvredis.stack.up import StackOptions
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 (pytest depends on tomli there)
-    import tomli as tomllib
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"

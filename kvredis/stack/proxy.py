@@ -175,7 +175,7 @@ def _upstream_errors(role: str, url: str, answer_timeout_s: float) -> Iterator[N
     # ServerTimeoutError says which socket step timed out (connect or read); a bare one is our bound.
     except aiohttp.ServerTimeoutError as exc:
         raise _UpstreamFailure(504, role, url, f"timed out: {exc}") from exc
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise _UpstreamFailure(504, role, url, f"no answer within {answer_timeout_s:g}s") from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise _UpstreamFailure(502, role, url, _describe(exc)) from exc

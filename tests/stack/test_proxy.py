@@ -115,7 +115,7 @@ class Stub:
             if index == 0 and self.gate is not None:
                 try:
                     await asyncio.wait_for(self.gate.wait(), 2.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self.gate_timed_out = True
             await asyncio.sleep(0.01)
         await response.write(b"data: [DONE]\n\n")
