@@ -50,8 +50,13 @@ def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggregated]:
     def kv_config(role: str) -> dict[str, Any]:
         return kv_transfer_config(role, server.url, namespace)
 
-    servers = [start_server("prefill-tp2", model, folder, kv_config("kv_producer"), tensor_parallel=TP),
-               start_server("decode-tp2", model, folder, kv_config("kv_consumer"), tensor_parallel=TP)]
+    # On a CPU with AMX tiles vLLM picks its AMX MLA backend, whose weight packing takes bf16, fp16 or int8
+    # only and refuses this float32 model at load; the reference CPU backend runs it on every x86 CPU.
+    backend = ("--attention-backend", "CPU_MLA")
+    servers = [start_server("prefill-tp2", model, folder, kv_config("kv_producer"), tensor_parallel=TP,
+                            extra_args=backend),
+               start_server("decode-tp2", model, folder, kv_config("kv_consumer"), tensor_parallel=TP,
+                            extra_args=backend)]
     try:
         wait_ready(servers, START_TIMEOUT_S)
         yield Disaggregated(*servers, redis=server, namespace=namespace)
