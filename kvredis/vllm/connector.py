@@ -130,6 +130,10 @@ class KVRedisConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         return meta if isinstance(meta, KVRedisConnectorMetadata) else None
 
+    def _idle_step(self) -> bool:
+        meta = self._step_metadata()
+        return meta is not None and meta.idle
+
     # -- scheduler side ---------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -223,14 +227,15 @@ class KVRedisConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker_side().wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Loads finished since the last call (failed ones once their blocks were reported)."""
-        return self._worker_side().get_finished(finished_req_ids)
+        """Loads finished since the last call (failed ones once their blocks were reported); in a step
+        that computes nothing, after waiting briefly for a load in flight to end."""
+        return self._worker_side().get_finished(finished_req_ids, idle=self._idle_step())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Loads finished since the last call; with several KV cache groups a failed load is reported by its
         request (vLLM recomputes it whole), since block ids name blocks of one group only."""
         worker = self._worker_side()
-        _, finished = worker.get_finished(finished_req_ids)
+        _, finished = worker.get_finished(finished_req_ids, idle=self._idle_step())
         failed = worker.take_failed_requests()
         return KVConnectorTransferResults(finished_recving=set(finished or ()) | failed,
                                           failed_recving=failed)

@@ -41,6 +41,8 @@ class KVRedisConnectorMetadata(KVConnectorMetadata):
 
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
+    idle: bool = False
+    """No request computes in this step: a worker may wait a little for its loads instead of returning."""
 
 
 def stored_plan(transfers: Transfers, tokens: list[int], context: str) -> ChunkPlan:

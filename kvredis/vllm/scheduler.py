@@ -564,7 +564,8 @@ class KVRedisScheduler:
         """This step's loads (planned at allocation) and saves (prompts whose prefill completes now)."""
         self._step_wait_left = _STEP_LOOKUP_WAIT_S  # this is the step's end: the next one waits afresh
         self._refresh_generation()
-        meta = KVRedisConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = KVRedisConnectorMetadata(loads=list(self._pending_loads.values()),
+                                        idle=not scheduler_output.total_num_scheduled_tokens)
         self._loading.update(self._pending_loads)
         self._loaded_once.update(self._pending_loads)
         self._pending_loads.clear()

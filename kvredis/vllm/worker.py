@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,13 @@ from kvredis.vllm.paged import PagedLayout, block_span
 logger = logging.getLogger("kvredis.vllm")
 
 _LOAD_THREADS = 4
+
+IDLE_STEP_WAIT_S = 0.01
+"""How long a step that computes nothing waits for a load in flight to end before it returns. vLLM steps
+without pause while a request waits for its KV (0.32-0.34: a 1 ms sleep in the engine core, the worker's
+busy poll of its queue), so the load shares its core, and on a GPU the GIL, with that loop; waiting on the
+load instead gives it both, and reports it in the step it ends in. The bound is the most a request arriving
+meanwhile waits to be scheduled."""
 
 SHUTDOWN_WAIT_S = 30.0
 """How long shutdown waits for saves in flight, and sleep for loads writing into the caches."""
@@ -139,6 +147,8 @@ class KVRedisWorker:
         self._save_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvredis-save")
         self._saves_in_flight: set[Future[None]] = set()
         self._lock = threading.Lock()
+        self._load_ended = threading.Condition(self._lock)
+        self._loads_in_flight = 0
         self._received: set[str] = set()
         self._failed: dict[str, set[int]] = {}
         self._failed_reported: set[str] = set()
@@ -179,10 +189,12 @@ class KVRedisWorker:
         # and kernels of earlier steps (and their saves) may still read the blocks.
         after = self._staging.mark_compute() if self._staging is not None and meta.loads else None
         for spec in meta.loads:
+            with self._lock:
+                self._loads_in_flight += 1
             try:
                 self._load_pool.submit(self._load, spec, after)
             except RuntimeError as exc:  # shut down: the request must still hear that nothing comes
-                self._load_failed(spec, f"the load could not start: {exc}")
+                self._load_ended_with(self._load_failed, spec, f"the load could not start: {exc}")
 
     def save_kv_layer(self, meta: KVRedisConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy the pages of prompts completing this step out of the layer, while the next layer computes."""
@@ -389,6 +401,18 @@ class KVRedisWorker:
                        self.config.pop_timeout_s, hint)
 
     def _load(self, spec: TransferSpec, after: staging.Event | None = None) -> None:
+        self._load_ended_with(self._load_one, spec, after)
+
+    def _load_ended_with(self, load: Callable[..., None], *args: Any) -> None:
+        """Run ``load``, then count it out of the loads in flight and wake a step waiting for one."""
+        try:
+            load(*args)
+        finally:
+            with self._lock:
+                self._loads_in_flight -= 1
+                self._load_ended.notify_all()
+
+    def _load_one(self, spec: TransferSpec, after: staging.Event | None) -> None:
         loaded = spec.start
         try:
             with self._on_device():
@@ -622,13 +646,21 @@ class KVRedisWorker:
         pinned.copy_(stored[rows][:, sources])
         return list(pinned)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Loads finished since the last call (failed ones once their blocks were reported)."""
+    def get_finished(self, finished_req_ids: set[str], *,
+                     idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
+        """Loads finished since the last call (failed ones once their blocks were reported). In an ``idle``
+        step (nothing computed), first waits up to :data:`IDLE_STEP_WAIT_S` for a load in flight to end."""
         with self._lock:
+            if idle and self._loads_in_flight and not self._ended_unreported():
+                self._load_ended.wait(IDLE_STEP_WAIT_S)
             done = self._received | self._failed_reported
             self._received.clear()
             self._failed_reported.clear()
         return None, done or None
+
+    def _ended_unreported(self) -> bool:
+        """Whether a load ended that the engine has not heard of yet (the lock held)."""
+        return bool(self._received or self._failed or self._failed_reported or self._failed_requests)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed; their requests finish in the next ``get_finished``."""

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -391,6 +392,70 @@ def test_a_decode_that_arrives_before_the_entry_waits_for_it(make_engine, next_e
     assert_pages_moved(producer, consumer, "c", "p", 0, 4)
     consumer.finish("c")
     assert consumer.stats["loaded_requests"] == 1 and consumer.stats["load_failures"] == 0
+    assert_nothing_left(producer, consumer)
+
+
+def test_a_step_computing_nothing_waits_for_the_load_and_reports_it_as_it_ends(
+    make_engine, next_entry_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a request waits for its KV, vLLM steps without pause (its worker polls its queue between steps,
+    on the core, and GIL, the load needs): a step that computes nothing waits on the load instead, and
+    reports it in the step it ends in."""
+    monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_S", 300.0)  # a passing test never waits for it
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=60.0)
+    prompt = prompt_of(100, seed=4)
+    consumer.add("c", prompt, params=announcement(prompt, next_entry_id))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # The prefill writes the entry a while after the decode began waiting for it.
+        produced = pool.submit(lambda: (time.sleep(0.3), producer.produce("p", prompt, wait=False)))
+        steps = consumer.run(lambda: "c" in consumer.recved)
+        produced.result()
+    # Stepping without the wait: one step per 2 ms of the harness for the prefill's 0.3 s and more.
+    assert steps <= 3, f"{steps} steps while the load was in flight"
+    consumer.run(lambda: "c" in consumer.new_reqs)
+    assert consumer.new_reqs["c"].num_computed_tokens == 99
+    assert_pages_moved(producer, consumer, "c", "p", 0, 4)
+    consumer.finish("c")
+    assert_nothing_left(producer, consumer)
+
+
+def test_a_step_computing_nothing_waits_for_a_load_no_longer_than_its_bound(
+    make_engine, next_entry_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request arriving while the only others wait for their KV is scheduled within the bound."""
+    monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_S", 0.2)
+    consumer = make_engine("kv_consumer", pop_timeout_s=60.0)
+    prompt = prompt_of(100, seed=5)
+    consumer.add("c", prompt, params=announcement(prompt, next_entry_id))  # no prefill writes it yet
+    started = time.monotonic()
+    first = consumer.step()
+    assert time.monotonic() - started >= 0.2
+    assert "c" not in first.num_scheduled_tokens and "c" not in consumer.recved
+    consumer.add("m", prompt_of(40, seed=6))
+    second = consumer.step()
+    assert second.num_scheduled_tokens.get("m") == 40
+    consumer.finish("m")
+    producer = make_engine("kv_producer")
+    producer.produce("p", prompt)
+    consumer.finish("c")
+    assert consumer.stats["loaded_requests"] == 1 and consumer.stats["load_failures"] == 0
+    assert_nothing_left(producer, consumer)
+
+
+def test_a_step_that_computes_does_not_wait_for_loads(make_engine, next_entry_id: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests computing beside a load in flight are not held back by it."""
+    monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_S", 300.0)
+    producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=60.0)
+    prompt = prompt_of(100, seed=7)
+    consumer.add("c", prompt, params=announcement(prompt, next_entry_id))  # waits for an entry to come
+    consumer.add("m", prompt_of(40, seed=8), max_tokens=3)
+    consumer.finish("m")  # each of its steps would wait out the bound for the load in flight
+    assert "c" not in consumer.recved and consumer.worker.worker._loads_in_flight == 1
+    producer.produce("p", prompt)
+    consumer.run(lambda: "c" in consumer.new_reqs)
+    assert_pages_moved(producer, consumer, "c", "p", 0, 4)
+    consumer.finish("c")
     assert_nothing_left(producer, consumer)
 
 
