@@ -8,7 +8,9 @@ heads, 4 KV heads of 64, intermediate 1536, float32, block 32: 16 KiB of KV a to
 ``--prefixes`` prefixes of ``--prefix-tokens`` random tokens, two streamed completions go through the proxy,
 which sends them to the prefill instances in turn: the first (the prefix and one ending) is computed by
 prefill 0; the second (the same prefix, another ending) reaches prefill 1, which finds the prefix in Redis
-and loads it instead. Printed:
+and loads it instead. Each measured request is sent after ``--rest-s`` of quiet, so that it does not share
+the cores with the engines of the one before, which poll their queues for a second after their last step.
+Printed:
 
 - TTFT through the proxy (first streamed text; prefill, the decode's load, the first decode step) of each,
   and their ratio (target: a hit at most 0.1x of computing);
@@ -128,6 +130,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--benchmark-requests", type=int, default=400, help="redis-benchmark's GETs")
     parser.add_argument("--settle-s", type=float, default=2.0, help="wait for the engines' metrics")
+    parser.add_argument("--rest-s", type=float, default=1.5,
+                        help="pause before each measured request: a vLLM worker polls its queue without "
+                             "pause for 1 s after its last step, so on shared cores a request sent at once "
+                             "runs beside the previous one's engines still polling (0: back to back)")
     parser.add_argument("--log-dir", type=Path)
     parser.add_argument("--profile", type=Path,
                         help="after the measured requests, one more prefix with py-spy recording the loading "
@@ -163,6 +169,7 @@ def main() -> int:
             prompts = [prefix + [rng.randrange(4, VOCAB) for _ in range(args.ending_tokens)]
                        for _ in range(2)]
             for prompt, times in zip(prompts, (computed, hits), strict=True):
+                time.sleep(args.rest_s)
                 ttft, pieces = streamed(client, stack.model, prompt, args.max_tokens)
                 times.append(ttft)
                 _, reference = streamed(alone, stack.model, prompt, args.max_tokens, salt=uuid.uuid4().hex)
@@ -186,7 +193,7 @@ def report(args: argparse.Namespace, took: float, computed: list[float], hits: l
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, "
           f"float32, block 32 ({kv_per_token // 1024} KiB of KV a token); {args.prefills} prefills + 1 "
           f"decode; {args.prefixes} prefixes of {args.prefix_tokens:,} tokens, each sent again with another "
-          "ending")
+          f"ending; {args.rest_s:g} s of rest before each")
     c, h = statistics.median(computed), statistics.median(hits)
     print(f"TTFT through the proxy, median: prefix computed {1000 * c:.0f} ms, prefix from Redis "
           f"{1000 * h:.0f} ms: {h / c:.3f}x (target <= 0.1x)")
