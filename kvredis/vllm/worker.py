@@ -17,12 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -194,7 +193,8 @@ class KVRedisWorker:
             try:
                 self._load_pool.submit(self._load, spec, after)
             except RuntimeError as exc:  # shut down: the request must still hear that nothing comes
-                self._load_ended_with(self._load_failed, spec, f"the load could not start: {exc}")
+                self._load_failed(spec, f"the load could not start: {exc}")
+                self._load_over()
 
     def save_kv_layer(self, meta: KVRedisConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy the pages of prompts completing this step out of the layer, while the next layer computes."""
@@ -401,16 +401,16 @@ class KVRedisWorker:
                        self.config.pop_timeout_s, hint)
 
     def _load(self, spec: TransferSpec, after: staging.Event | None = None) -> None:
-        self._load_ended_with(self._load_one, spec, after)
-
-    def _load_ended_with(self, load: Callable[..., None], *args: Any) -> None:
-        """Run ``load``, then count it out of the loads in flight and wake a step waiting for one."""
         try:
-            load(*args)
+            self._load_one(spec, after)
         finally:
-            with self._lock:
-                self._loads_in_flight -= 1
-                self._load_ended.notify_all()
+            self._load_over()
+
+    def _load_over(self) -> None:
+        """Count a load out of those in flight and wake a step waiting for one to end."""
+        with self._lock:
+            self._loads_in_flight -= 1
+            self._load_ended.notify_all()
 
     def _load_one(self, spec: TransferSpec, after: staging.Event | None) -> None:
         loaded = spec.start
