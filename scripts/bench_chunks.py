@@ -20,7 +20,10 @@ into a preallocated pages tensor (as into an engine's KV blocks; every check of 
 LMCache's C++ RESP client (``lmcache.lmcache_redis``, run by ``scripts/lmcache_peer.py`` in the environment
 ``scripts/install_lmcache_peer.sh`` makes: not a dependency of kvredis) at each of its value sizes and worker
 counts, SET all then GET all into preallocated buffers; and ``redis-benchmark``'s single-connection GET of
-1 MiB and 4 MiB values. Ratios: kvredis over the peer's best read and best round trip.
+1 MiB and 4 MiB values. kvredis is also measured without checksums (the peer checks nothing: the difference
+is what kvredis's checks cost) and at the chunk lengths ``--other-chunk-tokens`` names (default 32 tokens,
+4 MiB values at this shape), each variant going first in turn. Ratios: kvredis (``--chunk-tokens``, the
+default) over the peer's best read and best round trip, and kvredis at its best chunk length over the same.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def main() -> int:
     parser.add_argument("--url", help="a Redis of yours (default: start one on a free port)")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--chunk-tokens", type=int, default=KVRedisConfig().chunk_tokens)
+    parser.add_argument("--other-chunk-tokens", type=lambda text: [int(n) for n in text.split(",") if n],
+                        default=[32], help="with --peer, kvredis at these chunk lengths too (comma list)")
     parser.add_argument("--only", choices=("entry", "chunks"),
                         help="measure one path alone (the paths interact within one process)")
     parser.add_argument("--sizes", default=",".join(sizes()),
@@ -90,72 +95,92 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
     tokens, page_format = sizes()["128 MiB"]
     config = KVRedisConfig.from_env(None, {"url": url, "namespace": "bench-chunks", "pop_timeout_s": 30})
     buffer = RedisLookupBuffer(config)
-    chunk_tokens = max(args.chunk_tokens // BLOCK, 1) * BLOCK
-    transfers = Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=chunk_tokens, block_size=BLOCK,
-                          ttl_ms=600_000, pop_timeout_s=30, max_chunk_bytes=1 << 31)
-    prompt = list(range(tokens))
+    lengths = [max(n // BLOCK, 1) * BLOCK for n in (args.chunk_tokens, *args.other_chunk_tokens)]
+    # The product (the first chunk length, checksums on); the same without checksums (the peer has none:
+    # the difference is what kvredis's checks cost); the other chunk lengths, checksums on.
+    variants = [(lengths[0], True), (lengths[0], False), *((n, True) for n in lengths[1:])]
     pages = torch.randn(page_format.shape(tokens // BLOCK), generator=torch.Generator().manual_seed(0)
                         ).to(page_format.dtype)
     out = torch.empty_like(pages)
-    per_chunk = chunk_tokens // BLOCK
-
     page_bytes = out[0, 0].numel() * out.element_size()
     layers = [out[layer].view(torch.uint8).reshape(-1).numpy().data for layer in range(page_format.layers)]
-
-    class IntoPages:  # as the connector lands a chunk in an engine's blocks: a range of memory for each
-        in_place = True  # run of pages side by side (here a layer's pages of the chunk)
-
-        def __call__(self, index: int) -> list[memoryview]:
-            first = index * per_chunk * page_bytes
-            return [layer[first:first + per_chunk * page_bytes] for layer in layers]
-
-    into = IntoPages()
-
     total = pages.numel() * pages.element_size()
-    halves: list[tuple[float, float]] = []
+    halves: dict[tuple[int, bool], list[tuple[float, float]]] = {variant: [] for variant in variants}
     try:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         print(f"# {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, load average "
               f"{load}, {os.cpu_count()} CPUs; {total >> 20} MiB of pages ({page_format.layers} layers, "
               f"pages {page_format.page_shape} {page_format.dtype}), median of {args.repeat}")
-        for _ in range(args.repeat + 1):  # the first round trip warms up
-            out.zero_()
-            plan = transfers.plan(prompt)
-            transfer = new_entry_id()
-            started = time.perf_counter()
-            transfers.save(plan, pages, transfer_id=transfer)
-            written = time.perf_counter()
-            taken = transfers.take(plan, 0, tokens, page_format, transfer_id=transfer, into=into)
-            halves.append((written - started, time.perf_counter() - written))
-            assert taken.cause == "hit" and all(chunk is None for chunk in taken.chunks), taken.cause
-            assert torch.equal(out.view(torch.int16), pages.view(torch.int16)), "other bytes read"
+        paths = {(n, checked): (Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=n,
+                                          block_size=BLOCK, ttl_ms=600_000, pop_timeout_s=30,
+                                          max_chunk_bytes=1 << 31, checksum=checked),
+                                IntoPages(layers, n // BLOCK * page_bytes))
+                 for n, checked in variants}
+        for repeat in range(args.repeat + 1):  # the first round trip warms up
+            turn = repeat % len(variants)  # each variant goes first in turn
+            for variant in variants[turn:] + variants[:turn]:
+                transfers, into = paths[variant]
+                out.zero_()
+                plan = transfers.plan(list(range(tokens)))
+                transfer = new_entry_id()
+                started = time.perf_counter()
+                transfers.save(plan, pages, transfer_id=transfer)
+                written = time.perf_counter()
+                taken = transfers.take(plan, 0, tokens, page_format, transfer_id=transfer, into=into)
+                halves[variant].append((written - started, time.perf_counter() - written))
+                assert taken.cause == "hit" and all(chunk is None for chunk in taken.chunks), taken.cause
+                assert torch.equal(out.view(torch.int16), pages.view(torch.int16)), "other bytes read"
     finally:
         buffer.close()
-    write, read = (statistics.median(half) for half in zip(*halves[1:], strict=True))
-    ours = {"read": total / read / 1e9, "round trip": total / (write + read) / 1e9}
+    medians = {variant: tuple(statistics.median(half) for half in zip(*runs[1:], strict=True))
+               for variant, runs in halves.items()}
     peer = json.loads(subprocess.run(
         [str(args.peer_python), str(REPO / "scripts" / "lmcache_peer.py"), "--url", url, "--total",
          str(total), "--sizes", args.peer_sizes, "--workers", args.peer_workers,
          "--repeat", str(args.repeat)],
         capture_output=True, text=True, check=True, timeout=900).stdout.strip().splitlines()[-1])
-    print(f"  kvredis (chunks of {chunk_tokens} tokens = {total // (tokens // chunk_tokens) >> 20} MiB, read "
-          f"into place): write {1000 * write:.1f} ms, read {1000 * read:.1f} ms = {ours['read']:.2f} GB/s, "
-          f"round trip {ours['round trip']:.2f} GB/s")
+    rates = {}
+    for (n, checked), (write, read) in medians.items():
+        rates[n, checked] = {"read": total / read / 1e9, "round trip": total / (write + read) / 1e9}
+        print(f"  kvredis, chunks of {n} tokens = {total // (tokens // n) >> 20} MiB"
+              f"{'' if checked else ', no checksums (KVREDIS_CHECKSUM=0)'}, read into place: write "
+              f"{1000 * write:.1f} ms, read {1000 * read:.1f} ms = {rates[n, checked]['read']:.2f} GB/s, "
+              f"round trip {rates[n, checked]['round trip']:.2f} GB/s")
+    (write, read), (bare_write, bare_read) = medians[lengths[0], True], medians[lengths[0], False]
+    print(f"  the checksums cost {1000 * (write - bare_write):+.1f} ms writing, "
+          f"{1000 * (read - bare_read):+.1f} ms reading")
     for result in peer["results"]:
         print(f"  LMCache native, {result['size'] >> 20} MiB values, {result['workers']} workers: write "
               f"{1000 * result['write_s']:.1f} ms, read {1000 * result['read_s']:.1f} ms = "
               f"{result['read_gbps']:.2f} GB/s, round trip {result['round_trip_gbps']:.2f} GB/s")
-    best = {"read": max(r["read_gbps"] for r in peer["results"]),
-            "round trip": max(r["round_trip_gbps"] for r in peer["results"])}
     gets = {size: redis_benchmark_get(url, size) for size in (1 << 20, 4 << 20)}
+    ours = rates[lengths[0], True]
     for what in ("read", "round trip"):
-        print(f"  {what}: kvredis {ours[what]:.2f} GB/s, the peer's best {best[what]:.2f} GB/s: "
-              f"{ours[what] / best[what]:.2f}x (target >= 1)")
+        best = max(r[f"{what.replace(' ', '_')}_gbps"] for r in peer["results"])
+        ours_best = max(rates[n, True][what] for n in lengths)
+        print(f"  {what}: kvredis {ours[what]:.2f} GB/s ({lengths[0]}-token chunks), the peer's best "
+              f"{best:.2f} GB/s: {ours[what] / best:.2f}x (target >= 1); kvredis's best chunk length "
+              f"{ours_best / best:.2f}x")
+    best_read = max(r["read_gbps"] for r in peer["results"])
     for size, rate in gets.items():
         print(f"  redis-benchmark -t set,get -d {size} -c 1, GET: {rate:.2f} GB/s; kvredis's read "
-              f"{ours['read'] / rate:.2f}x, "
-              f"the peer's best {best['read'] / rate:.2f}x")
+              f"{ours['read'] / rate:.2f}x, the peer's best {best_read / rate:.2f}x")
     return 0
+
+
+class IntoPages:
+    """Where a chunk's pages land, as the connector lands them in an engine's blocks: a range of memory for
+    each run of pages side by side (here a layer's ``chunk_bytes`` of the chunk)."""
+
+    in_place = True
+
+    def __init__(self, layers: list[memoryview], chunk_bytes: int) -> None:
+        self.layers = layers
+        self.chunk_bytes = chunk_bytes
+
+    def __call__(self, index: int) -> list[memoryview]:
+        first = index * self.chunk_bytes
+        return [layer[first:first + self.chunk_bytes] for layer in self.layers]
 
 
 def redis_benchmark_get(url: str, size: int, requests: int = 200) -> float:
