@@ -68,6 +68,12 @@ class Server:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
+    def warnings(self, lines: int = 20) -> str:
+        """The engine's last warnings and errors (kvredis's say why a load did not happen), for a failure's
+        message."""
+        said = [line for line in self.log_text().splitlines() if " WARNING " in line or " ERROR " in line]
+        return "\n".join(said[-lines:])
+
     def ready(self) -> bool:
         if self.process.poll() is not None:
             raise RuntimeError(f"{self.name} engine exited ({self.process.returncode}):\n{self.log_tail()}")

@@ -130,7 +130,7 @@ def test_each_rank_stores_and_loads_its_own_shard(sharded: Sharded) -> None:
         decoded = sharded.decode.complete(prompt, params=params)
         # Counted by every rank: vLLM adds up the workers' stats.
         assert loaded_tokens(sharded.decode, seen, TP * (len(prompt) - 1)) == TP * (len(prompt) - 1), \
-            f"{len(prompt)} tokens: KV not loaded"
+            f"{len(prompt)} tokens: KV not loaded; the decode's warnings:\n{sharded.decode.warnings()}"
         assert tokens_of(decoded) == want, f"{len(prompt)} tokens"
     assert sharded.stored_keys() == []  # each rank of the decode took its own entry
     loaded = sum(len(prompt) - 1 for prompt in prompts)
