@@ -24,6 +24,10 @@ counts, SET all then GET all into preallocated buffers; and ``redis-benchmark``'
 is what kvredis's checks cost) and at the chunk lengths ``--other-chunk-tokens`` names (default 32 tokens,
 4 MiB values at this shape), each variant going first in turn. Ratios: kvredis (``--chunk-tokens``, the
 default) over the peer's best read and best round trip, and kvredis at its best chunk length over the same.
+It also prints what Redis holds for the chunks (``MEMORY USAGE``: its allocator rounds each value up to a
+size class) and the server allocator's ``dirty_decay_ms``; ``--server-malloc-conf dirty_decay_ms:-1`` starts
+the script's server with that setting (docs/deployment.md says why: a freed value of 7 MiB or more otherwise
+goes back to the kernel at once, and the next one page-faults in every page).
 """
 
 from __future__ import annotations
@@ -38,15 +42,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import redis  # noqa: E402
 import torch  # noqa: E402
 from bench_lookup import own_redis  # noqa: E402  (this folder is on sys.path: the script's own)
 
 from kvredis.config import KVRedisConfig  # noqa: E402
+from kvredis.store.chunk_keys import ChunkPlan  # noqa: E402
 from kvredis.store.chunk_store import PageFormat  # noqa: E402
 from kvredis.store.keys import new_entry_id  # noqa: E402
 from kvredis.store.transfer import Transfers  # noqa: E402
@@ -82,8 +89,11 @@ def main() -> int:
                         help="the Python of the environment holding lmcache")
     parser.add_argument("--peer-sizes", default="4MiB,8MiB,32MiB")
     parser.add_argument("--peer-workers", default="1,2,4")
+    parser.add_argument("--server-malloc-conf", metavar="CONF",
+                        help="start the script's redis-server with this jemalloc configuration (e.g. "
+                             "dirty_decay_ms:-1, see docs/deployment.md)")
     args = parser.parse_args()
-    with own_redis(args.url) as url:
+    with own_redis(args.url, args.server_malloc_conf) as url:
         return against_peer(url, args) if args.peer else measure(url, args)
 
 
@@ -106,11 +116,13 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
     layers = [out[layer].view(torch.uint8).reshape(-1).numpy().data for layer in range(page_format.layers)]
     total = pages.numel() * pages.element_size()
     halves: dict[tuple[int, bool], list[tuple[float, float]]] = {variant: [] for variant in variants}
+    held = 0
     try:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         print(f"# {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, load average "
               f"{load}, {os.cpu_count()} CPUs; {total >> 20} MiB of pages ({page_format.layers} layers, "
-              f"pages {page_format.page_shape} {page_format.dtype}), median of {args.repeat}")
+              f"pages {page_format.page_shape} {page_format.dtype}), median of {args.repeat}; the "
+              f"server's jemalloc: {allocator_decay(buffer.store.redis)}")
         paths = {(n, checked): (Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=n,
                                           block_size=BLOCK, ttl_ms=600_000, pop_timeout_s=30,
                                           max_chunk_bytes=1 << 31, checksum=checked),
@@ -126,6 +138,8 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
                 started = time.perf_counter()
                 transfers.save(plan, pages, transfer_id=transfer)
                 written = time.perf_counter()
+                if repeat == 0 and variant == variants[0]:
+                    held = held_bytes(transfers, plan)
                 taken = transfers.take(plan, 0, tokens, page_format, transfer_id=transfer, into=into)
                 halves[variant].append((written - started, time.perf_counter() - written))
                 assert taken.cause == "hit" and all(chunk is None for chunk in taken.chunks), taken.cause
@@ -149,6 +163,8 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
     (write, read), (bare_write, bare_read) = medians[lengths[0], True], medians[lengths[0], False]
     print(f"  the checksums cost {1000 * (write - bare_write):+.1f} ms writing, "
           f"{1000 * (read - bare_read):+.1f} ms reading")
+    print(f"  Redis holds {held / total:.3f} bytes a byte of pages ({lengths[0]}-token chunks: MEMORY USAGE "
+          f"of their keys, {held >> 20} MiB for {total >> 20} MiB)")
     for result in peer["results"]:
         print(f"  LMCache native, {result['size'] >> 20} MiB values, {result['workers']} workers: write "
               f"{1000 * result['write_s']:.1f} ms, read {1000 * result['read_s']:.1f} ms = "
@@ -166,6 +182,26 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
         print(f"  redis-benchmark -t set,get -d {size} -c 1, GET: {rate:.2f} GB/s; kvredis's read "
               f"{ours['read'] / rate:.2f}x, the peer's best {best['read'] / rate:.2f}x")
     return 0
+
+
+def allocator_decay(client: Any) -> str:
+    """The server's jemalloc ``dirty_decay_ms`` as ``MEMORY MALLOC-STATS`` reports it (so a setting that did
+    not take shows), or why it is not known."""
+    try:
+        stats = client.execute_command("MEMORY", "MALLOC-STATS")
+    except redis.RedisError as exc:
+        return f"not known ({exc})"
+    text = stats.decode(errors="replace") if isinstance(stats, bytes) else str(stats)
+    found = re.search(r"opt\.dirty_decay_ms: (-?\d+)", text)
+    return "not jemalloc" if found is None else f"dirty_decay_ms {found.group(1)}"
+
+
+def held_bytes(transfers: Transfers, plan: ChunkPlan) -> int:
+    """What Redis holds for the plan's chunks (``MEMORY USAGE`` of each chunk's key, allocator rounding
+    included)."""
+    client = transfers.store.redis
+    return sum(int(client.memory_usage(transfers.chunks.keys.chunk(digest), samples=0) or 0)
+               for digest in plan.digests)
 
 
 class IntoPages:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 import statistics
 import subprocess
@@ -71,16 +72,20 @@ def main() -> int:
 
 
 @contextlib.contextmanager
-def own_redis(url: str | None) -> Iterator[str]:
-    """``url``, or a redis-server of our own on a free port (no persistence), stopped afterwards."""
+def own_redis(url: str | None, malloc_conf: str | None = None) -> Iterator[str]:
+    """``url``, or a redis-server of our own on a free port (no persistence), stopped afterwards; its
+    jemalloc configured with ``malloc_conf`` (``MALLOC_CONF`` for a system jemalloc, ``JE_MALLOC_CONF`` for
+    the one Redis bundles) if given."""
     if url is not None:
         yield url
         return
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    env = None if malloc_conf is None else {**os.environ, "MALLOC_CONF": malloc_conf,
+                                            "JE_MALLOC_CONF": malloc_conf}
     server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
-                               "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL)
+                               "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL, env=env)
     try:
         for _ in range(100):
             with socket.socket() as probe:
