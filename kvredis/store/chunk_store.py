@@ -81,6 +81,11 @@ end
 return 0
 """
 
+_PURGED_VALUE_BYTES = (7 << 20) - (1 << 10)
+"""A chunk's value from about this size on (with its header and Redis's own) lands in jemalloc's 8 MiB size
+class or above, which Redis's jemalloc hands back to the kernel as soon as it is freed: the next such value
+page-faults in every page (docs/deployment.md, "Chunk length")."""
+
 NOBODY = "0" * 16
 """The holder a take without a transfer id releases as: it holds nothing, so chunks nobody holds go."""
 
@@ -142,6 +147,7 @@ class ChunkStore:
         self.block_size = block_size
         self.max_chunk_bytes = max_chunk_bytes
         self.checksum = checksum
+        self._warned_large = False
 
     def ttl_at(self, index: int) -> int:
         """The TTL of a prompt's chunk ``index``, in ms: shorter the further the chunk lies (by up to a
@@ -262,6 +268,8 @@ class ChunkStore:
         if not chunks and record is None:
             return []
         framed = [(index, plan.digests[index], *self._frames(plan, index, pages)) for index, pages in chunks]
+        if framed and not self._warned_large:
+            self._warn_if_large(max(frames.nbytes for _, _, frames, _ in framed))
         client = self.store.redis
         with self.store.guarded(f"writing {len(framed)} chunks"):
             written = None if self.store.cluster else self._write_framed(client, framed, holder, record)
@@ -277,6 +285,19 @@ class ChunkStore:
                 self.store.push_record(record[0], record[1], self.ttl_ms)
             return [blob.nbytes if _ok(reply) else 0
                     for (_, _, blob), reply in zip(blobs, replies, strict=True)]
+
+    def _warn_if_large(self, nbytes: int) -> None:
+        """Say once, at the first chunk of :data:`_PURGED_VALUE_BYTES` or more, what such values cost a Redis
+        whose allocator is left as it comes, and what to do."""
+        if nbytes < _PURGED_VALUE_BYTES:
+            return
+        self._warned_large = True
+        logger.warning(
+            "chunks of %.1f MiB: Redis's jemalloc gives a freed value over 7 MiB back to the kernel at once, "
+            "so each write of one page-faults in all its pages (writes 2-3x slower on the test machine). "
+            "Choose KVREDIS_CHUNK_TOKENS so that a chunk stays under 7 MiB, or run Redis with "
+            "dirty_decay_ms:-1 in its jemalloc configuration (docs/deployment.md, \"Chunk length\" and "
+            "\"The allocator\")", nbytes / (1 << 20))
 
     def _write_framed(self, client: Any, framed: list[tuple[int, str, codec.Frames, dict[str, Any]]],
                       holder: str | None, record: tuple[str, bytes] | None = None) -> list[int] | None:

@@ -240,6 +240,26 @@ def test_a_chunk_over_the_size_limit_is_refused_before_anything_is_written(chunk
     assert chunk_store.present(plan.digests) == [False, False]
 
 
+def test_chunks_over_7_mib_are_written_and_the_first_one_says_what_they_cost(
+        chunk_store: ChunkStore, caplog: pytest.LogCaptureFixture) -> None:
+    # 7 MiB of pages a chunk: with the header, a value in jemalloc's 8 MiB size class.
+    large = PageFormat(torch.float16, layers=1, page_shape=(2, BLOCK, 57344))
+    store = ChunkStore(chunk_store.store, chunk_store.prefix, ttl_ms=60_000, block_size=BLOCK,
+                       max_chunk_bytes=16 << 20)
+    plan = ChunkPlan.of(list(range(96)), CHUNK)
+    pages = [torch.full(large.shape(2), float(index), dtype=large.dtype) for index in range(3)]
+    with caplog.at_level("WARNING", logger="kvredis.chunks"):
+        write_all(chunk_store, ChunkPlan.of(list(range(1000, 1064)), CHUNK))  # 24 KiB chunks: nothing said
+        assert caplog.records == []
+        assert store.write(plan, [(0, pages[0])]) != [0]
+        assert store.write(plan, [(1, pages[1]), (2, pages[2])]) != [0, 0]
+    assert [record.getMessage()[:22] for record in caplog.records] == ["chunks of 7.0 MiB: Red"]
+    assert "KVREDIS_CHUNK_TOKENS" in caplog.records[0].getMessage()
+    reads = store.read(plan, [0, 1, 2], large)
+    assert [read.cause for read in reads] == ["hit"] * 3
+    assert all(read.pages is not None and torch.equal(read.pages, pages[read.index]) for read in reads)
+
+
 def test_pages_that_do_not_fit_the_chunk_are_refused(chunk_store: ChunkStore) -> None:
     plan = ChunkPlan.of(list(range(64)), CHUNK)
     with pytest.raises(Exception, match="blocks"):
