@@ -93,6 +93,8 @@ def main() -> int:
                         help="start the script's redis-server with this jemalloc configuration (e.g. "
                              "dirty_decay_ms:-1, see docs/deployment.md)")
     args = parser.parse_args()
+    if args.url is not None and args.server_malloc_conf is not None:
+        parser.error("--server-malloc-conf configures the script's own redis-server: not with --url")
     with own_redis(args.url, args.server_malloc_conf) as url:
         return against_peer(url, args) if args.peer else measure(url, args)
 
