@@ -268,8 +268,7 @@ class ChunkStore:
         if not chunks and record is None:
             return []
         framed = [(index, plan.digests[index], *self._frames(plan, index, pages)) for index, pages in chunks]
-        if framed and not self._warned_large:
-            self._warn_if_large(max(frames.nbytes for _, _, frames, _ in framed))
+        self._warn_if_large(framed)
         client = self.store.redis
         with self.store.guarded(f"writing {len(framed)} chunks"):
             written = None if self.store.cluster else self._write_framed(client, framed, holder, record)
@@ -286,9 +285,12 @@ class ChunkStore:
             return [blob.nbytes if _ok(reply) else 0
                     for (_, _, blob), reply in zip(blobs, replies, strict=True)]
 
-    def _warn_if_large(self, nbytes: int) -> None:
+    def _warn_if_large(self, framed: list[tuple[int, str, codec.Frames, dict[str, Any]]]) -> None:
         """Say once, at the first chunk of :data:`_PURGED_VALUE_BYTES` or more, what such values cost a Redis
         whose allocator is left as it comes, and what to do."""
+        if self._warned_large or not framed:
+            return
+        nbytes = max(frames.nbytes for _, _, frames, _ in framed)
         if nbytes < _PURGED_VALUE_BYTES:
             return
         self._warned_large = True
