@@ -274,7 +274,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("pop_timeout_s", _positive_float, 5.0,
             "Longest a reader waits for an entry that is not there yet (blocking pop)."),
     Setting("chunk_bytes", _chunk_size, 1 << 20,
-            "Payloads larger than this are split into pieces of this size (4 KiB-256 MiB; `1MiB` works)."),
+            "Large values move in pieces of this size (4 KiB-256 MiB; `1MiB` works): chunks are read in "
+            "ranges of it, and a lookup buffer entry larger than it is stored as pieces of 16 bytes less "
+            "(which Redis holds without rounding up to its next size class)."),
     Setting("chunk_tokens", _chunk_tokens, 64,
             "Prompt positions a stored KV chunk covers (rounded up to whole KV blocks): a decode reads and a "
             "prefill writes whole chunks, and prompts share the chunks of a common prefix."),

@@ -59,6 +59,10 @@ _MIN_CHUNK, _MAX_CHUNK = 4096, 256 << 20  # KVREDIS_CHUNK_BYTES's range
 # checksum took 14 ms of a 90 ms write, which the raw-socket reference does not spend
 # (docs/benchmarks-history.md).
 _HASH_ALONGSIDE_BYTES = 32 << 20
+# Redis keeps a value of n bytes in n + 12 (its string header, a NUL, and the CRLF a large argument came
+# with) rounded up to its allocator's size class: a piece of exactly 1 MiB takes 1.25 MiB of memory, one of
+# 16 bytes less takes 1 MiB (`MEMORY USAGE`, docs/deployment.md).
+_REDIS_VALUE_OVERHEAD = 16
 
 
 class RedisLookupBuffer:
@@ -114,11 +118,11 @@ class RedisLookupBuffer:
                 f"entry of {size} bytes exceeds KVREDIS_MAX_ENTRY_BYTES={self.config.max_entry_bytes}"
             )
         ttl_ms = max(1, int(self.config.ttl_s * 1000))
-        chunk = self.config.chunk_bytes
+        chunk = _piece_bytes(self.config.chunk_bytes)
         queue = keys.entry_queue(entry_id) if announced else keys.queue
         meta: dict[str, Any] = {"id": entry_id, "space": self.keyspace.prefix}
         piece_keys: list[str] = []
-        if size > chunk:
+        if size > self.config.chunk_bytes:
             count = -(-size // chunk)
             meta.update(chunk=chunk, pieces=count)
             piece_keys = [keys.chunk(entry_id, i) for i in range(count)]
@@ -413,6 +417,14 @@ def _holds(
         return raw[offset:offset + spec.nbytes].tobytes() == expected.tobytes()
     reference = torch.tensor(expected.tolist(), dtype=_CANONICAL[expected.format])
     return bool(torch.equal(stored, reference))
+
+
+def _piece_bytes(chunk_bytes: int) -> int:
+    """The length of an entry's pieces under ``KVREDIS_CHUNK_BYTES``: a little less, so that Redis's copy of
+    a piece fills an allocator size class instead of spilling into the next (readers take it from the
+    record)."""
+    trimmed = chunk_bytes - _REDIS_VALUE_OVERHEAD
+    return trimmed if trimmed >= _MIN_CHUNK else chunk_bytes
 
 
 def _pieces(frames: Sequence[memoryview], size: int) -> list[bytes | memoryview]:

@@ -293,6 +293,28 @@ def test_a_64_mib_entry_in_pieces_comes_back_identical(real_redis_url, namespace
         assert namespace_keys(buffer) == []
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 256 << 10, 4096])
+def test_pieces_fill_redis_size_classes_and_read_back(real_redis_url, namespace, chunk_bytes):
+    # A value of exactly a size class's bytes takes the next class in Redis (1 MiB -> 1.25 MiB): pieces are
+    # cut to fit. At the smallest setting there is no room to cut (the reader's floor): they stay whole.
+    config = KVRedisConfig.from_env({}, {"url": real_redis_url, "namespace": namespace,
+                                         "chunk_bytes": chunk_bytes})
+    with RedisLookupBuffer(config) as buffer:
+        generator = torch.Generator().manual_seed(5)
+        tokens = torch.arange(64)
+        key = random_tensor((4, 64, 8, 128), torch.bfloat16, generator)  # 512 KiB
+        value = random_tensor((4, 64, 8, 128), torch.bfloat16, generator)
+        buffer.insert(tokens, None, key, value, None)
+        pieces = [name for name in namespace_keys(buffer) if not name.endswith(":q")]
+        lengths = [buffer.store.redis.strlen(name) for name in pieces]
+        held = [buffer.store.redis.memory_usage(name, samples=0) for name in pieces]
+        assert max(lengths) == (chunk_bytes if chunk_bytes == 4096 else chunk_bytes - 16)
+        if chunk_bytes > 4096:
+            # The key, its object and its entry: a few hundred bytes (a class over would be 64 KiB or more).
+            assert all(usage - length < 1024 for usage, length in zip(held, lengths, strict=True)), held
+        assert_entry(buffer.drop_select(tokens, None), tokens, key, value, None)
+        assert namespace_keys(buffer) == []
+
 def test_ttl_really_expires_every_key(real_redis_url, namespace):
     config = KVRedisConfig.from_env(
         {}, {"url": real_redis_url, "namespace": namespace, "ttl_s": 0.3, "chunk_bytes": 4096,
