@@ -22,8 +22,12 @@ LMCache's C++ RESP client (``lmcache.lmcache_redis``, run by ``scripts/lmcache_p
 counts, SET all then GET all into preallocated buffers; and ``redis-benchmark``'s single-connection GET of
 1 MiB and 4 MiB values. kvredis is also measured without checksums (the peer checks nothing: the difference
 is what kvredis's checks cost) and at the chunk lengths ``--other-chunk-tokens`` names (default 32 tokens,
-4 MiB values at this shape), each variant going first in turn. Ratios: kvredis (``--chunk-tokens``, the
-default) over the peer's best read and best round trip, and kvredis at its best chunk length over the same.
+4 MiB values at this shape), each variant going first in turn. The sweep's ratios: kvredis
+(``--chunk-tokens``, the default) over the peer's best read and best round trip, and kvredis at its best
+chunk length over the same. The verdict comes after it: ``--pairs`` times, kvredis's default and the peer's
+best read and best round trip configurations of the sweep, ``--repeat`` round trips each, in turn; the
+median of the pairs' ratios (the best of nine medians picked after the fact flatters the peer, and this
+machine's speed drifts between the sweep's two halves).
 It also prints what Redis holds for the chunks (``MEMORY USAGE``: its allocator rounds each value up to a
 size class) and the server allocator's ``dirty_decay_ms``; ``--server-malloc-conf dirty_decay_ms:-1`` starts
 the script's server with that setting (docs/deployment.md says why: a freed value of 7 MiB or more otherwise
@@ -41,8 +45,10 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,6 +95,9 @@ def main() -> int:
                         help="the Python of the environment holding lmcache")
     parser.add_argument("--peer-sizes", default="4MiB,8MiB,32MiB")
     parser.add_argument("--peer-workers", default="1,2,4")
+    parser.add_argument("--pairs", type=int, default=4,
+                        help="after the sweep, alternate kvredis and the peer's best configurations this "
+                             "many times, --repeat round trips each (the verdict; 0: the sweep's alone)")
     parser.add_argument("--server-malloc-conf", metavar="CONF",
                         help="start the script's redis-server with this jemalloc configuration (e.g. "
                              "dirty_decay_ms:-1, see docs/deployment.md)")
@@ -97,6 +106,19 @@ def main() -> int:
         parser.error("--server-malloc-conf configures the script's own redis-server: not with --url")
     with own_redis(args.url, args.server_malloc_conf) as url:
         return against_peer(url, args) if args.peer else measure(url, args)
+
+
+class Variant(NamedTuple):
+    """One way kvredis is measured: chunk length, checksums, and reuse (the stack's mode: a take leaves the
+    chunks, as the peer's GETs do) or transfer (a take deletes what it read, within its time)."""
+
+    tokens: int
+    checked: bool = True
+    reuse: bool = True
+
+    def __str__(self) -> str:
+        return (f"{self.tokens}-token chunks, {'reuse' if self.reuse else 'transfer'} mode"
+                f"{'' if self.checked else ', no checksums (KVREDIS_CHECKSUM=0)'}")
 
 
 def against_peer(url: str, args: argparse.Namespace) -> int:
@@ -108,16 +130,17 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
     config = KVRedisConfig.from_env(None, {"url": url, "namespace": "bench-chunks", "pop_timeout_s": 30})
     buffer = RedisLookupBuffer(config)
     lengths = [max(n // BLOCK, 1) * BLOCK for n in (args.chunk_tokens, *args.other_chunk_tokens)]
-    # The product (the first chunk length, checksums on); the same without checksums (the peer has none:
-    # the difference is what kvredis's checks cost); the other chunk lengths, checksums on.
-    variants = [(lengths[0], True), (lengths[0], False), *((n, True) for n in lengths[1:])]
+    # The product in both modes (the first chunk length, checksums on); without checksums (the peer has
+    # none: the difference is what kvredis's checks cost); the other chunk lengths.
+    default, transfer = Variant(lengths[0]), Variant(lengths[0], reuse=False)
+    variants = [default, transfer, Variant(lengths[0], checked=False), *(Variant(n) for n in lengths[1:])]
     pages = torch.randn(page_format.shape(tokens // BLOCK), generator=torch.Generator().manual_seed(0)
                         ).to(page_format.dtype)
     out = torch.empty_like(pages)
     page_bytes = out[0, 0].numel() * out.element_size()
     layers = [out[layer].view(torch.uint8).reshape(-1).numpy().data for layer in range(page_format.layers)]
     total = pages.numel() * pages.element_size()
-    halves: dict[tuple[int, bool], list[tuple[float, float]]] = {variant: [] for variant in variants}
+    halves: dict[Variant, list[tuple[float, float]]] = {variant: [] for variant in variants}
     held = 0
     try:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -125,48 +148,79 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
               f"{load}, {os.cpu_count()} CPUs; {total >> 20} MiB of pages ({page_format.layers} layers, "
               f"pages {page_format.page_shape} {page_format.dtype}), median of {args.repeat}; the "
               f"server's jemalloc: {allocator_decay(buffer.store.redis)}")
-        paths = {(n, checked): (Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=n,
-                                          block_size=BLOCK, ttl_ms=600_000, pop_timeout_s=30,
-                                          max_chunk_bytes=1 << 31, checksum=checked),
-                                IntoPages(layers, n // BLOCK * page_bytes))
-                 for n, checked in variants}
+        paths = {variant: (Transfers(buffer.store, buffer.keyspace.prefix, chunk_tokens=variant.tokens,
+                                     block_size=BLOCK, ttl_ms=600_000, pop_timeout_s=30,
+                                     max_chunk_bytes=1 << 31, checksum=variant.checked, reuse=variant.reuse),
+                           IntoPages(layers, variant.tokens // BLOCK * page_bytes))
+                 for variant in variants}
+
+        def round_trip(variant: Variant) -> tuple[float, float]:
+            """One save and in-place take of the pages, checked; (write, read) seconds. In reuse mode the
+            chunks are new (a context of their own) and deleted afterwards, outside the time, as the peer
+            deletes its values."""
+            transfers, into = paths[variant]
+            out.zero_()
+            plan = transfers.plan(list(range(tokens)), uuid.uuid4().hex)
+            transfer = new_entry_id()
+            started = time.perf_counter()
+            transfers.save(plan, pages, transfer_id=transfer)
+            written = time.perf_counter()
+            nonlocal held
+            if not held and variant == default:
+                held = held_bytes(transfers, plan)
+            taken = transfers.take(plan, 0, tokens, page_format, transfer_id=transfer, into=into)
+            took = (written - started, time.perf_counter() - written)
+            assert taken.cause == "hit" and all(chunk is None for chunk in taken.chunks), taken.cause
+            assert torch.equal(out.view(torch.int16), pages.view(torch.int16)), "other bytes read"
+            if variant.reuse:
+                transfers.chunks.delete_keys([transfers.chunks.keys.chunk(digest) for digest in plan.digests])
+            return took
+
         for repeat in range(args.repeat + 1):  # the first round trip warms up
             turn = repeat % len(variants)  # each variant goes first in turn
             for variant in variants[turn:] + variants[:turn]:
-                transfers, into = paths[variant]
-                out.zero_()
-                plan = transfers.plan(list(range(tokens)))
-                transfer = new_entry_id()
-                started = time.perf_counter()
-                transfers.save(plan, pages, transfer_id=transfer)
-                written = time.perf_counter()
-                if repeat == 0 and variant == variants[0]:
-                    held = held_bytes(transfers, plan)
-                taken = transfers.take(plan, 0, tokens, page_format, transfer_id=transfer, into=into)
-                halves[variant].append((written - started, time.perf_counter() - written))
-                assert taken.cause == "hit" and all(chunk is None for chunk in taken.chunks), taken.cause
-                assert torch.equal(out.view(torch.int16), pages.view(torch.int16)), "other bytes read"
+                halves[variant].append(round_trip(variant))
+        medians = {variant: median_halves(runs[1:]) for variant, runs in halves.items()}
+        peer = run_peer(args, url, total, args.peer_sizes, args.peer_workers)
+        report_sweep(url, medians, peer, variants, tokens, total, held)
+        if args.pairs:
+            alternate(args, url, total, peer, (default, transfer),
+                      lambda variant: median_halves([round_trip(variant) for _ in range(args.repeat)]))
     finally:
         buffer.close()
-    medians = {variant: tuple(statistics.median(half) for half in zip(*runs[1:], strict=True))
-               for variant, runs in halves.items()}
-    peer = json.loads(subprocess.run(
+    return 0
+
+
+def median_halves(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The median write and the median read of round trips."""
+    write, read = (statistics.median(half) for half in zip(*runs, strict=True))
+    return write, read
+
+
+def run_peer(args: argparse.Namespace, url: str, total: int, sizes: str, workers: str) -> dict[str, Any]:
+    """``scripts/lmcache_peer.py``'s results for each value size and worker count, in its environment."""
+    return dict(json.loads(subprocess.run(
         [str(args.peer_python), str(REPO / "scripts" / "lmcache_peer.py"), "--url", url, "--total",
-         str(total), "--sizes", args.peer_sizes, "--workers", args.peer_workers,
-         "--repeat", str(args.repeat)],
-        capture_output=True, text=True, check=True, timeout=900).stdout.strip().splitlines()[-1])
+         str(total), "--sizes", sizes, "--workers", workers, "--repeat", str(args.repeat)],
+        capture_output=True, text=True, check=True, timeout=900).stdout.strip().splitlines()[-1]))
+
+
+def report_sweep(url: str, medians: dict[Variant, tuple[float, float]], peer: dict[str, Any],
+                 variants: list[Variant], tokens: int, total: int, held: int) -> None:
+    """Every kvredis variant and peer configuration of the sweep, and the ratios the sweep gives."""
     rates = {}
-    for (n, checked), (write, read) in medians.items():
-        rates[n, checked] = {"read": total / read / 1e9, "round trip": total / (write + read) / 1e9}
-        print(f"  kvredis, chunks of {n} tokens = {total // (tokens // n) >> 20} MiB"
-              f"{'' if checked else ', no checksums (KVREDIS_CHECKSUM=0)'}, read into place: write "
-              f"{1000 * write:.1f} ms, read {1000 * read:.1f} ms = {rates[n, checked]['read']:.2f} GB/s, "
-              f"round trip {rates[n, checked]['round trip']:.2f} GB/s")
-    (write, read), (bare_write, bare_read) = medians[lengths[0], True], medians[lengths[0], False]
-    print(f"  the checksums cost {1000 * (write - bare_write):+.1f} ms writing, "
-          f"{1000 * (read - bare_read):+.1f} ms reading")
-    print(f"  Redis holds {held / total:.3f} bytes a byte of pages ({lengths[0]}-token chunks: MEMORY USAGE "
-          f"of their keys, {held >> 20} MiB for {total >> 20} MiB)")
+    for variant, (write, read) in medians.items():
+        rates[variant] = {"read": total / read / 1e9, "round trip": total / (write + read) / 1e9}
+        print(f"  kvredis, {variant} ({total * variant.tokens // tokens >> 20} MiB values), read into place: "
+              f"write {1000 * write:.1f} ms, read {1000 * read:.1f} ms = {rates[variant]['read']:.2f} GB/s, "
+              f"round trip {rates[variant]['round trip']:.2f} GB/s")
+    default, transfer, bare = variants[:3]
+    for what, other in (("the checksums", bare), ("transfer mode's release (the chunks deleted)", transfer)):
+        sign = 1 if other is transfer else -1
+        print(f"  {what} cost {sign * 1000 * (medians[other][0] - medians[default][0]):+.1f} ms writing, "
+              f"{sign * 1000 * (medians[other][1] - medians[default][1]):+.1f} ms reading")
+    print(f"  Redis holds {held / total:.3f} bytes a byte of pages ({default.tokens}-token chunks: MEMORY "
+          f"USAGE of their keys, {held >> 20} MiB for {total >> 20} MiB)")
     for result in peer["results"]:
         print(f"  LMCache native, {result['size'] >> 20} MiB values, {result['workers']} workers: write "
               f"{1000 * result['write_s']:.1f} ms, read {1000 * result['read_s']:.1f} ms = "
@@ -174,16 +228,55 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
     best = {"read": max(r["read_gbps"] for r in peer["results"]),
             "round trip": max(r["round_trip_gbps"] for r in peer["results"])}
     gets = {size: redis_benchmark_get(url, size) for size in (1 << 20, 4 << 20)}
-    ours = rates[lengths[0], True]
+    ours = rates[default]
     for what in ("read", "round trip"):
-        ours_best = max(rates[n, True][what] for n in lengths)
-        print(f"  {what}: kvredis {ours[what]:.2f} GB/s ({lengths[0]}-token chunks), the peer's best "
-              f"{best[what]:.2f} GB/s: {ours[what] / best[what]:.2f}x (target >= 1); kvredis's best chunk "
-              f"length {ours_best / best[what]:.2f}x")
+        ours_best = max(rates[variant][what] for variant in variants if variant.checked)
+        print(f"  {what}: kvredis {ours[what]:.2f} GB/s ({default}), the peer's best {best[what]:.2f} "
+              f"GB/s: {ours[what] / best[what]:.2f}x in the sweep; kvredis's best variant "
+              f"{ours_best / best[what]:.2f}x")
     for size, rate in gets.items():
         print(f"  redis-benchmark -t set,get -d {size} -c 1, GET: {rate:.2f} GB/s; kvredis's read "
               f"{ours['read'] / rate:.2f}x, the peer's best {best['read'] / rate:.2f}x")
-    return 0
+
+
+def alternate(args: argparse.Namespace, url: str, total: int, sweep: dict[str, Any],
+              ours: tuple[Variant, ...], measure: Callable[[Variant], tuple[float, float]]) -> None:
+    """kvredis in both modes against the peer's best read and best round trip configurations of the sweep,
+    measured in turn (each going first in turn): the best of nine noisy medians picked after the fact
+    flatters the peer, and this machine's speed drifts between a sweep's halves. The verdict is the median
+    of the pairs' ratios."""
+    picks = {what: max(sweep["results"], key=lambda r: r[key])
+             for what, key in (("read", "read_gbps"), ("round trip", "round_trip_gbps"))}
+    configs = sorted({(r["size"], r["workers"]) for r in picks.values()})
+    names = ", ".join(f"{what} {r['size'] >> 20} MiB values with {r['workers']} workers"
+                      for what, r in picks.items())
+    print(f"  alternating, {args.pairs} rounds of {args.repeat} round trips each: kvredis against the peer's "
+          f"best in the sweep ({names})")
+    keys = {"read": "read_gbps", "round trip": "round_trip_gbps"}
+    ratios: dict[tuple[Variant, str], list[float]] = {(variant, what): []
+                                                      for variant in ours for what in keys}
+    steps: list[Variant | None] = [*ours, None]  # None: the peer
+    for pair in range(args.pairs):
+        turn = pair % len(steps)
+        theirs: dict[tuple[int, int], dict[str, Any]] = {}
+        mine: dict[Variant, dict[str, float]] = {}
+        for step in steps[turn:] + steps[:turn]:
+            if step is None:
+                for size, workers in configs:
+                    theirs[size, workers] = run_peer(args, url, total, str(size), str(workers))["results"][0]
+                continue
+            write, read = measure(step)
+            mine[step] = {"read": total / read / 1e9, "round trip": total / (write + read) / 1e9}
+        for variant, rate in mine.items():
+            line = []
+            for what, key in keys.items():
+                other = theirs[picks[what]["size"], picks[what]["workers"]][key]
+                ratios[variant, what].append(rate[what] / other)
+                line.append(f"{what} {rate[what]:.2f} against {other:.2f} GB/s ({rate[what] / other:.2f}x)")
+            print(f"    round {pair + 1}, {variant}: " + "; ".join(line))
+    for (variant, what), values in ratios.items():
+        print(f"  {what}, alternating, {variant}: kvredis {statistics.median(values):.2f}x the peer's best "
+              f"(median of {len(values)} rounds, {min(values):.2f}-{max(values):.2f}x; target >= 1)")
 
 
 def allocator_decay(client: Any) -> str:
@@ -294,7 +387,7 @@ def measure(url: str, args: argparse.Namespace) -> int:
 
 def _halves(times: list[tuple[float, float]]) -> str:
     """The median write and the median read, in ms."""
-    write, read = (statistics.median(half) for half in zip(*times, strict=True))
+    write, read = median_halves(times)
     return f"({1000 * write:.2f} + {1000 * read:.2f})"
 
 
