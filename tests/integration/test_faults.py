@@ -23,6 +23,7 @@ from redis_servers import RedisServer
 
 from kvredis import KVRedisConnectionError, KVRedisError, KVRedisTimeoutError
 from kvredis.store import resp
+from kvredis.v0 import buffer as buffer_module
 
 MISS = [None] * 5
 SLACK_S = 0.5  # scheduling and start-up slack on a loaded 2-core machine
@@ -47,6 +48,12 @@ def big_entry(mib: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torc
     value = random_tensor((layers, 1024, 8, 128), torch.bfloat16, generator)
     hidden = random_tensor((1024, 64), torch.float32, generator)
     return tokens, key, value, hidden
+
+
+def pieces_a_batch(write_batch_bytes: int, chunk_bytes: int) -> int:
+    """The pieces of a large entry in one batch of SETs: a batch closes at the piece that reaches
+    ``write_batch_bytes``, and pieces are a little shorter than ``chunk_bytes`` (Redis's size classes)."""
+    return -(-write_batch_bytes // buffer_module._piece_bytes(chunk_bytes))
 
 
 @contextlib.contextmanager
@@ -229,7 +236,8 @@ def test_redis_killed_mid_chunked_insert_fails_clearly_and_the_buffer_recovers(
     with after_first_batch("SET", server.kill) as batches, pytest.raises(KVRedisConnectionError) as info:
         buffer.insert(tokens, None, key, value, hidden)
     elapsed = time.monotonic() - started
-    assert batches == [16], "Redis was not killed after the first of many batches of pieces"
+    first = pieces_a_batch(1 << 20, 64 << 10)
+    assert batches == [first], "Redis was not killed after the first of many batches of pieces"
     assert elapsed < 5.0  # 64 MiB to encode and send; a kill must not wait out any timeout
     assert "127.0.0.1" in str(info.value)
     assert buffer.metrics["store_failed_error"] == 1 and buffer.metrics["stored"] == 1
@@ -305,7 +313,8 @@ def test_connection_cut_mid_chunked_insert_leaves_no_piece(proxy, buffers, names
     with after_first_batch("SET", cut) as batches, pytest.raises(KVRedisConnectionError):
         buffer.insert(tokens, None, key, value, hidden)
     # The second batch went out before the first one's replies were read, so it may have landed too.
-    assert batches in ([4], [4, 4])
+    per_batch = pieces_a_batch(64 << 10, 16 << 10)
+    assert batches in ([per_batch], [per_batch, per_batch])
     # The first batch landed; the failed insert deleted it instead of leaving it to the 60 s TTL.
     assert keys_of(proxy.server, namespace) == []
     assert buffer.drop_select(tokens, None) == MISS
