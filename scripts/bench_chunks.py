@@ -95,7 +95,7 @@ def main() -> int:
                         help="the Python of the environment holding lmcache")
     parser.add_argument("--peer-sizes", default="4MiB,8MiB,32MiB")
     parser.add_argument("--peer-workers", default="1,2,4")
-    parser.add_argument("--pairs", type=int, default=4,
+    parser.add_argument("--pairs", type=int, default=6,
                         help="after the sweep, alternate kvredis and the peer's best configurations this "
                              "many times, --repeat round trips each (the verdict; 0: the sweep's alone)")
     parser.add_argument("--server-malloc-conf", metavar="CONF",
