@@ -24,10 +24,10 @@ counts, SET all then GET all into preallocated buffers; and ``redis-benchmark``'
 is what kvredis's checks cost) and at the chunk lengths ``--other-chunk-tokens`` names (default 32 tokens,
 4 MiB values at this shape), each variant going first in turn. The sweep's ratios: kvredis
 (``--chunk-tokens``, the default) over the peer's best read and best round trip, and kvredis at its best
-chunk length over the same. The verdict comes after it: ``--pairs`` times, kvredis's default and the peer's
-best read and best round trip configurations of the sweep, ``--repeat`` round trips each, in turn; the
-median of the pairs' ratios (the best of nine medians picked after the fact flatters the peer, and this
-machine's speed drifts between the sweep's two halves).
+chunk length over the same. The verdict comes after it: ``--rounds`` rounds of kvredis's default (in reuse
+and in transfer mode) and the peer's best read and best round trip configurations of the sweep, ``--repeat``
+round trips each, in turn; the median of the rounds' ratios (the best of nine medians picked after the fact
+flatters the peer, and this machine's speed drifts between the sweep's two halves).
 It also prints what Redis holds for the chunks (``MEMORY USAGE``: its allocator rounds each value up to a
 size class) and the server allocator's ``dirty_decay_ms``; ``--server-malloc-conf dirty_decay_ms:-1`` starts
 the script's server with that setting (docs/deployment.md says why: a freed value of 7 MiB or more otherwise
@@ -95,9 +95,9 @@ def main() -> int:
                         help="the Python of the environment holding lmcache")
     parser.add_argument("--peer-sizes", default="4MiB,8MiB,32MiB")
     parser.add_argument("--peer-workers", default="1,2,4")
-    parser.add_argument("--pairs", type=int, default=6,
-                        help="after the sweep, alternate kvredis and the peer's best configurations this "
-                             "many times, --repeat round trips each (the verdict; 0: the sweep's alone)")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="after the sweep, rounds of kvredis and the peer's best configurations in turn, "
+                             "--repeat round trips each (the verdict; 0: the sweep's alone)")
     parser.add_argument("--server-malloc-conf", metavar="CONF",
                         help="start the script's redis-server with this jemalloc configuration (e.g. "
                              "dirty_decay_ms:-1, see docs/deployment.md)")
@@ -155,9 +155,9 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
                  for variant in variants}
 
         def round_trip(variant: Variant) -> tuple[float, float]:
-            """One save and in-place take of the pages, checked; (write, read) seconds. In reuse mode the
-            chunks are new (a context of their own) and deleted afterwards, outside the time, as the peer
-            deletes its values."""
+            """One save and in-place take of the pages, checked; (write, read) seconds. The chunks are new
+            each time (a context of their own); in reuse mode they are deleted afterwards, outside the time,
+            as the peer deletes its values."""
             transfers, into = paths[variant]
             out.zero_()
             plan = transfers.plan(list(range(tokens)), uuid.uuid4().hex)
@@ -183,7 +183,7 @@ def against_peer(url: str, args: argparse.Namespace) -> int:
         medians = {variant: median_halves(runs[1:]) for variant, runs in halves.items()}
         peer = run_peer(args, url, total, args.peer_sizes, args.peer_workers)
         report_sweep(url, medians, peer, variants, tokens, total, held)
-        if args.pairs:
+        if args.rounds:
             alternate(args, url, total, peer, (default, transfer),
                       lambda variant: median_halves([round_trip(variant) for _ in range(args.repeat)]))
     finally:
@@ -215,10 +215,10 @@ def report_sweep(url: str, medians: dict[Variant, tuple[float, float]], peer: di
               f"write {1000 * write:.1f} ms, read {1000 * read:.1f} ms = {rates[variant]['read']:.2f} GB/s, "
               f"round trip {rates[variant]['round trip']:.2f} GB/s")
     default, transfer, bare = variants[:3]
-    for what, other in (("the checksums", bare), ("transfer mode's release (the chunks deleted)", transfer)):
-        sign = 1 if other is transfer else -1
-        print(f"  {what} cost {sign * 1000 * (medians[other][0] - medians[default][0]):+.1f} ms writing, "
-              f"{sign * 1000 * (medians[other][1] - medians[default][1]):+.1f} ms reading")
+    for what, costly, cheap in (("the checksums", default, bare),
+                                ("transfer mode's release (the chunks deleted)", transfer, default)):
+        print(f"  {what} cost {1000 * (medians[costly][0] - medians[cheap][0]):+.1f} ms writing, "
+              f"{1000 * (medians[costly][1] - medians[cheap][1]):+.1f} ms reading")
     print(f"  Redis holds {held / total:.3f} bytes a byte of pages ({default.tokens}-token chunks: MEMORY "
           f"USAGE of their keys, {held >> 20} MiB for {total >> 20} MiB)")
     for result in peer["results"]:
@@ -244,20 +244,20 @@ def alternate(args: argparse.Namespace, url: str, total: int, sweep: dict[str, A
     """kvredis in both modes against the peer's best read and best round trip configurations of the sweep,
     measured in turn (each going first in turn): the best of nine noisy medians picked after the fact
     flatters the peer, and this machine's speed drifts between a sweep's halves. The verdict is the median
-    of the pairs' ratios."""
+    of the rounds' ratios."""
     picks = {what: max(sweep["results"], key=lambda r: r[key])
              for what, key in (("read", "read_gbps"), ("round trip", "round_trip_gbps"))}
     configs = sorted({(r["size"], r["workers"]) for r in picks.values()})
     names = ", ".join(f"{what} {r['size'] >> 20} MiB values with {r['workers']} workers"
                       for what, r in picks.items())
-    print(f"  alternating, {args.pairs} rounds of {args.repeat} round trips each: kvredis against the peer's "
-          f"best in the sweep ({names})")
+    print(f"  alternating, {args.rounds} rounds of {args.repeat} round trips each: kvredis against the "
+          f"peer's best in the sweep ({names})")
     keys = {"read": "read_gbps", "round trip": "round_trip_gbps"}
     ratios: dict[tuple[Variant, str], list[float]] = {(variant, what): []
                                                       for variant in ours for what in keys}
     steps: list[Variant | None] = [*ours, None]  # None: the peer
-    for pair in range(args.pairs):
-        turn = pair % len(steps)
+    for round_ in range(args.rounds):
+        turn = round_ % len(steps)
         theirs: dict[tuple[int, int], dict[str, Any]] = {}
         mine: dict[Variant, dict[str, float]] = {}
         for step in steps[turn:] + steps[:turn]:
@@ -273,7 +273,7 @@ def alternate(args: argparse.Namespace, url: str, total: int, sweep: dict[str, A
                 other = theirs[picks[what]["size"], picks[what]["workers"]][key]
                 ratios[variant, what].append(rate[what] / other)
                 line.append(f"{what} {rate[what]:.2f} against {other:.2f} GB/s ({rate[what] / other:.2f}x)")
-            print(f"    round {pair + 1}, {variant}: " + "; ".join(line))
+            print(f"    round {round_ + 1}, {variant}: " + "; ".join(line))
     for (variant, what), values in ratios.items():
         print(f"  {what}, alternating, {variant}: kvredis {statistics.median(values):.2f}x the peer's best "
               f"(median of {len(values)} rounds, {min(values):.2f}-{max(values):.2f}x; target >= 1)")

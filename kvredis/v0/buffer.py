@@ -61,7 +61,7 @@ _MIN_CHUNK, _MAX_CHUNK = 4096, 256 << 20  # KVREDIS_CHUNK_BYTES's range
 _HASH_ALONGSIDE_BYTES = 32 << 20
 # Redis keeps a value of n bytes in n + 12 (its string header, a NUL, and the CRLF a large argument came
 # with) rounded up to its allocator's size class: a piece of exactly 1 MiB takes 1.25 MiB of memory, one of
-# 16 bytes less takes 1 MiB (`MEMORY USAGE`, docs/deployment.md).
+# 16 bytes less takes 1 MiB (`MEMORY USAGE`, docs/design.md "Why pieces of 1 MiB").
 _REDIS_VALUE_OVERHEAD = 16
 
 
