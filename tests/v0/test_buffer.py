@@ -315,6 +315,7 @@ def test_pieces_fill_redis_size_classes_and_read_back(real_redis_url, namespace,
         assert_entry(buffer.drop_select(tokens, None), tokens, key, value, None)
         assert namespace_keys(buffer) == []
 
+
 def test_ttl_really_expires_every_key(real_redis_url, namespace):
     config = KVRedisConfig.from_env(
         {}, {"url": real_redis_url, "namespace": namespace, "ttl_s": 0.3, "chunk_bytes": 4096,
