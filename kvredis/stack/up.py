@@ -15,6 +15,9 @@ and chunks stay under their TTL) unless ``StackOptions.reuse`` is off; the embed
 bounded (``--maxmemory``) and evicts by remaining TTL (``volatile-ttl``, which the chunks' TTLs order for it:
 docs/design.md).
 
+CPU engines run their one worker inside the engine-core process, as vLLM runs one on a GPU
+(:func:`one_process_engine_env`), on cores of their own (:func:`engine_cpu_binds`).
+
 The engines run with ``PROMETHEUS_MULTIPROC_DIR`` set: kvredis's connector counts in vLLM's worker process,
 and only then does vLLM's API server serve the series of all its processes on ``/metrics`` (without it
 ``/metrics`` shows only the API server's own, where kvredis counts nothing). :mod:`kvredis.stack.demo` reads
@@ -52,6 +55,7 @@ __all__ = [
     "default_engine_command",
     "engine_cpu_binds",
     "free_ports",
+    "one_process_engine_env",
     "open_stack",
     "redis_ping",
     "up",
@@ -125,6 +129,19 @@ def engine_cpu_binds(prefills: int, decodes: int, cpus: Collection[int] | None =
         return None
     middle = (len(allowed) + 1) // 2  # the prefills, which compute whole prompts, get the odd core
     return [*_shares(allowed[:middle], prefills), *_shares(allowed[middle:], decodes)]
+
+
+def one_process_engine_env() -> dict[str, str]:
+    """The environment that runs a CPU engine's one worker inside its engine-core process, as vLLM does for
+    one worker on a GPU: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, under which vLLM's CPU build keeps its
+    single-process executor (``uni``) instead of forcing a worker process; empty for other engines or where
+    the user set the variable. With a worker process, the engine core and the worker poll each other without
+    pause (``sched_yield``) while a request waits for its KV, on the cores the load and the computing need
+    (docs/design.md, "One process per CPU engine", has what that cost). vLLM ignores the variable for an
+    engine of several workers (tensor parallelism), which get processes of their own as before."""
+    if os.environ.get("VLLM_TARGET_DEVICE", "cpu") != "cpu" or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
+        return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _shares(cpus: list[int], count: int) -> list[str]:
@@ -322,6 +339,7 @@ def _engine_spec(
         env["HF_HUB_OFFLINE"] = "1"
     if cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+    env.update(one_process_engine_env())
     url = f"http://{options.host}:{port}"
     return ChildSpec(role, argv, url, lambda: http_ok(url + "/health"), env,
                      startup_timeout_s=options.startup_timeout_s)

@@ -191,6 +191,7 @@ def test_open_stack_starts_several_instances_of_each_role_behind_the_proxy(
     monkeypatch.setattr(stack_module.shutil, "which", lambda name: None)
     monkeypatch.setattr(stack_module.os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     options = StackOptions(model="stand-in", engine_command=fake_engine.split(), proxy_port=0,
                            log_dir=tmp_path / "logs", startup_timeout_s=BOUND_S, prefill_instances=2,
                            decode_instances=3, policy="least_outstanding")
@@ -201,6 +202,9 @@ def test_open_stack_starts_several_instances_of_each_role_behind_the_proxy(
         children = running_stack.supervisor.children
         binds = [child.spec.env.get("VLLM_CPU_OMP_THREADS_BIND") for child in children]
         assert binds == ["0,1", "2,3", "4", "5", "6,7", None]
+        # ... and runs its worker inside its engine-core process.
+        layouts = [child.spec.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") for child in children]
+        assert layouts == ["0", "0", "0", "0", "0", None]
         assert {log.name for log in (tmp_path / "logs").glob("*.log")} == {f"{role}.log" for role in roles}
         assert len(running_stack.prefill_urls) == 2 and len(running_stack.decode_urls) == 3
         assert len({*running_stack.prefill_urls, *running_stack.decode_urls, running_stack.proxy_url}) == 6
@@ -269,6 +273,19 @@ def test_the_stack_leaves_a_bind_the_user_set_and_says_when_one_cpu_cannot_be_sp
     monkeypatch.setattr(stack_module.os, "sched_getaffinity", lambda pid: {0, 1})
     assert stack_module._cpu_binds(options, sys.stdout) == ["0", "1", "1"]
     assert capsys.readouterr().out == ""
+
+
+def test_cpu_engines_run_their_worker_in_the_engine_core_unless_the_user_said_otherwise(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert stack_module.one_process_engine_env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's choice is left to the engines
+    assert stack_module.one_process_engine_env() == {}
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")  # a GPU engine of one worker is one process already
+    assert stack_module.one_process_engine_env() == {}
 
 
 def _engine_args(log: Path) -> list[str]:

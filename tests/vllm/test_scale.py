@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,6 +74,23 @@ def scaled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSt
             pids = [child.pid for child in running.supervisor.children]
     # Stopped: every engine's process group (API server, engine core, workers) is gone.
     assert not [pid for pid in pids if group_alive(pid)]
+
+
+def _vllm_titles(group: int) -> list[str]:
+    """The process titles vLLM gave the processes of process group ``group`` (``VLLM::EngineCore``,
+    ``VLLM::Worker`` ...)."""
+    titles = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            pgid = os.getpgid(int(entry.name))
+            title = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:
+            continue  # gone since the listing
+        if pgid == group and title.startswith("VLLM::"):
+            titles.append(title)
+    return sorted(titles)
 
 
 def _snapshot(running: RunningStack) -> dict[str, dict[str, float]]:
@@ -133,6 +151,13 @@ def test_two_prefill_two_decode_engines_answer_correctly(scaled_stack: RunningSt
         results = list(pool.map(through_proxy, prompts))
     took = time.monotonic() - began
     running.supervisor.check()
+
+    # The stack runs each engine's one worker inside its engine-core process (vLLM's CPU build would
+    # otherwise start a worker process, the two polling each other while a request waits for its KV).
+    for child in running.supervisor.children:
+        if child.spec.role.startswith(("prefill", "decode")):
+            titles = _vllm_titles(child.pid)
+            assert titles and not [title for title in titles if "Worker" in title], (child.spec.role, titles)
 
     # The prefills count a stored entry when the background write ends, possibly after the decode took it.
     lacked = sum(length - 1 for length in lengths)
