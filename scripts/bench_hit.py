@@ -22,6 +22,9 @@ Printed:
 - the same load outside any engine, on the same Redis: one prefix's whole chunks taken into place back to
   back (warm caches, as redis-benchmark's one value is) and after 64 MiB of other memory was written (cold,
   as an engine's steps leave the caches): what the machine allows a load, apart from the engines;
+- which process layout the engines ran in: the stack's (each engine's one worker inside its engine-core
+  process, as vLLM runs one worker on a GPU), or with ``--worker-process`` vLLM's CPU default (a worker
+  process beside each engine core, the two polling each other while a request waits for its KV);
 - that every answer equals the one prefill 0 computes alone (temperature 0, a fresh ``cache_salt``) and that
   the hits were loaded from Redis (vLLM's ``external_prefix_cache_hits`` of prefill 1).
 
@@ -201,12 +204,18 @@ def main() -> int:
                         help="pause before each measured request: a vLLM worker polls its queue without "
                              "pause for 1 s after its last step, so on shared cores a request sent at once "
                              "runs beside the previous one's engines still polling (0: back to back)")
+    parser.add_argument("--worker-process", action="store_true",
+                        help="engines as vLLM's CPU build runs them by default, each with a worker "
+                             "process beside its engine core (VLLM_ENABLE_V1_MULTIPROCESSING=1), not as the "
+                             "stack runs them, worker and engine core in one process")
     parser.add_argument("--log-dir", type=Path)
     parser.add_argument("--profile", type=Path,
                         help="after the measured requests, one more prefix with py-spy recording the "
                              "decode's processes during its first request (the decode loads the transfer) "
                              "and the loading prefill's during its hit (raw stacks written to this folder)")
     args = parser.parse_args()
+    if args.worker_process:  # the stack leaves a value the user set
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     import openai
 
     work = Path(tempfile.mkdtemp(prefix="kvredis-bench-hit-"))
@@ -267,7 +276,9 @@ def report(args: argparse.Namespace, took: float, computed: list[float], hits: l
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, "
           f"float32, block {BLOCK} ({kv_per_token // 1024} KiB of KV a token); {args.prefills} prefills + 1 "
           f"decode; {args.prefixes} prefixes of {args.prefix_tokens:,} tokens, each sent again with another "
-          f"ending; {args.rest_s:g} s of rest before each")
+          f"ending; {args.rest_s:g} s of rest before each; "
+          + ("a worker process beside each engine core (vLLM's CPU default)" if args.worker_process else
+             "each engine's worker inside its engine-core process (the stack's default, vLLM's on a GPU)"))
     c, h = statistics.median(computed), statistics.median(hits)
     print(f"TTFT through the proxy, median: prefix computed {1000 * c:.0f} ms, prefix from Redis "
           f"{1000 * h:.0f} ms: {h / c:.3f}x (target <= 0.1x)")
