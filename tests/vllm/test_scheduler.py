@@ -68,6 +68,7 @@ from kvredis.store.keys import new_entry_id
 from kvredis.store.tally import read_tally
 from kvredis.store.transfer import record_digests
 from kvredis.vllm import KVRedisConnector
+from kvredis.vllm import scheduler as scheduler_module
 from kvredis.vllm import worker as worker_module
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -424,6 +425,7 @@ def test_a_step_computing_nothing_waits_for_a_load_no_longer_than_its_bound(
 ) -> None:
     """A request arriving while the only others wait for their KV is scheduled within the bound."""
     monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_S", 0.2)
+    monkeypatch.setattr(scheduler_module, "_STEP_LOOKUP_WAIT_S", 30.0)  # m's lookup answered in its step
     consumer = make_engine("kv_consumer", pop_timeout_s=60.0)
     prompt = prompt_of(100, seed=5)
     consumer.add("c", prompt, params=announcement(prompt, next_entry_id))  # no prefill writes it yet
@@ -446,6 +448,10 @@ def test_a_step_that_computes_does_not_wait_for_loads(make_engine, next_entry_id
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests computing beside a load in flight are not held back by it."""
     monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_S", 300.0)
+    # "m" is scheduled in the first step its lookup is answered in; a step before that computes nothing and
+    # rightly waits for the load. The scheduler waits 5 ms a step for lookups, which a stalled VM overran
+    # (1 run in 15): wait as long as it takes here, so that every one of m's steps computes.
+    monkeypatch.setattr(scheduler_module, "_STEP_LOOKUP_WAIT_S", 30.0)
     producer, consumer = make_engine("kv_producer"), make_engine("kv_consumer", pop_timeout_s=60.0)
     prompt = prompt_of(100, seed=7)
     consumer.add("c", prompt, params=announcement(prompt, next_entry_id))  # waits for an entry to come
