@@ -139,9 +139,14 @@ def one_process_engine_env() -> dict[str, str]:
     pause (``sched_yield``) while a request waits for its KV, on the cores the load and the computing need
     (docs/design.md, "One process per CPU engine", has what that cost). vLLM ignores the variable for an
     engine of several workers (tensor parallelism), which get processes of their own as before."""
-    if os.environ.get("VLLM_TARGET_DEVICE", "cpu") != "cpu" or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
+    if not _cpu_engines() or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _cpu_engines() -> bool:
+    """Whether the stack's engines are vLLM's CPU build (``VLLM_TARGET_DEVICE``, ``cpu`` unless set)."""
+    return os.environ.get("VLLM_TARGET_DEVICE", "cpu") == "cpu"
 
 
 def _shares(cpus: list[int], count: int) -> list[str]:
@@ -447,7 +452,7 @@ def _cpu_binds(options: StackOptions, out: TextIO) -> list[str | None]:
     """Each engine's ``VLLM_CPU_OMP_THREADS_BIND`` (see :func:`engine_cpu_binds`); ``None`` leaves it to the
     environment: GPU engines, a bind the user set, or a machine with one CPU (which is said)."""
     count = options.prefill_instances + options.decode_instances
-    if os.environ.get("VLLM_TARGET_DEVICE", "cpu") != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    if not _cpu_engines() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return [None] * count
     binds = engine_cpu_binds(options.prefill_instances, options.decode_instances)
     if binds is None:
