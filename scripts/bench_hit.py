@@ -69,6 +69,7 @@ from kvredis.store.transfer import Transfers  # noqa: E402
 from kvredis.v0.buffer import RedisLookupBuffer  # noqa: E402
 
 BLOCK = 32  # the engines' KV block, in tokens
+OUTSIDE_TAKES = 10  # timed takes of the load outside the engines, in each state (warm, cold)
 
 COUNTERS = {
     "loaded_bytes": ("kvredis_bytes_total", {"direction": "loaded"}),
@@ -111,7 +112,8 @@ def streamed(client: Any, model: str, prompt: list[int], max_tokens: int,
     return (first if first is not None else time.perf_counter() - started), pieces
 
 
-def load_outside(url: str, args: argparse.Namespace, chunk: int, rounds: int = 10) -> dict[str, float]:
+def load_outside(url: str, args: argparse.Namespace, chunk: int, rounds: int = OUTSIDE_TAKES
+                 ) -> dict[str, float]:
     """The hit's load outside any engine: the whole chunks of one prefix, of the engines' shape and chunk
     length, saved once under a namespace of their own and taken into place ``rounds`` times (as the engine
     takes them: reuse mode, checked, received where they stay), back to back ("warm": the last take's bytes
@@ -295,7 +297,8 @@ def report(args: argparse.Namespace, took: float, computed: list[float], hits: l
         print(f"{name}: loaded {nbytes / 1e6:.1f} MB in {seconds:.3f} s over {moved_counters['loads']:.0f} "
               f"loads (and waited {waited:.3f} s for records) = {rate / 1e9:.2f} GB/s = {rate / get:.2f}x "
               f"redis-benchmark's GET (target >= 0.8x)")
-    print(f"the same load outside any engine (one prefix's whole chunks, taken into place; median of 10): "
+    print(f"the same load outside any engine (one prefix's whole chunks, taken into place; median of "
+          f"{OUTSIDE_TAKES}): "
           f"{outside['warm'] / 1e9:.2f} GB/s back to back = {outside['warm'] / get:.2f}x the GET, "
           f"{outside['cold'] / 1e9:.2f} GB/s after 64 MiB of other memory was written = "
           f"{outside['cold'] / get:.2f}x (an engine's caches before a load)")
