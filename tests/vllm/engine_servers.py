@@ -122,12 +122,14 @@ def checkout_env() -> dict[str, str]:
 
 
 def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any] | None,
-                 single_process: bool = False, tensor_parallel: int = 1, *, serve: bool = False,
+                 worker_process: bool = False, tensor_parallel: int = 1, *, serve: bool = False,
                  block_size: int = BLOCK_SIZE, max_model_len: int = 2048,
                  extra_args: Sequence[str] = (), dtype: str = "float32",
                  env: dict[str, str] | None = None) -> Server:
-    """Start an engine. ``single_process`` runs its worker inside the engine core process (one process
-    less to start on 2 cores); the engines with the connector keep vLLM's default processes.
+    """Start an engine. It runs its one worker inside the engine core process, as ``kvredis up`` runs CPU
+    engines and as vLLM runs a GPU engine without tensor parallelism; ``worker_process`` keeps vLLM's CPU
+    default instead, a worker process beside the engine core (``--distributed-executor-backend uni`` does
+    not give one process on a CPU: vLLM turns it into ``mp`` unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
     ``tensor_parallel`` > 1 shards the model over that many worker processes. ``serve`` starts it as
     operators do, with ``vllm serve`` (run as ``python -m vllm.entrypoints.cli.main``, the same program as
     the ``vllm`` console script); ``extra_args`` go on its command line, ``env`` in its environment."""
@@ -143,8 +145,8 @@ def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any]
              "--enable-prompt-tokens-details", *extra_args]
     if kv_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_config)]
-    if single_process:
-        args += ["--distributed-executor-backend", "uni"]
+    if not worker_process:
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if tensor_parallel > 1:
         args += ["--tensor-parallel-size", str(tensor_parallel)]
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(kv_config, tensor_parallel))

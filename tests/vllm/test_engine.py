@@ -71,9 +71,11 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     def kv_config(role: str) -> dict[str, Any]:
         return kv_transfer_config(role, server.url, namespace)
 
-    servers = [start_server("prefill", tiny_model, folder, kv_config("kv_producer")),
-               start_server("decode", tiny_model, folder, kv_config("kv_consumer")),
-               start_server("reference", tiny_model, folder, None, single_process=True)]
+    # vLLM's CPU default, a worker process beside each engine core, as plain `vllm serve` runs on a CPU: the
+    # connector's scheduler and worker halves in two processes (the other engine tests run one process).
+    servers = [start_server("prefill", tiny_model, folder, kv_config("kv_producer"), worker_process=True),
+               start_server("decode", tiny_model, folder, kv_config("kv_consumer"), worker_process=True),
+               start_server("reference", tiny_model, folder, None)]
     try:
         wait_ready(servers, START_TIMEOUT_S)
         prefill, decode, reference = servers

@@ -121,7 +121,7 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     # than an unpinned reference (two threads here).
     same_threads = {"VLLM_CPU_OMP_THREADS_BIND": cpu_bind({"kv_role": "kv_consumer"})}
     engines = [start("prefill", "kv_producer"), start("decode", "kv_consumer"),
-               start("reference", None, single_process=True, env=same_threads)]
+               start("reference", None, env=same_threads)]
     proxy: Proxy | None = None
     try:
         wait_ready(engines, START_TIMEOUT_S)

@@ -84,7 +84,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Multimodal]:
                      serve=True, max_model_len=1024, extra_args=routine),
         start_server("decode", model, folder, kv_transfer_config("kv_consumer", redis_server.url, namespace),
                      serve=True, max_model_len=1024, extra_args=routine),
-        start_server("reference", model, folder, None, single_process=True, serve=True, max_model_len=1024,
+        start_server("reference", model, folder, None, serve=True, max_model_len=1024,
                      extra_args=routine),
     ]
     proxies: list[Proxy] = []

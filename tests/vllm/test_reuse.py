@@ -102,7 +102,7 @@ def shared(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         start_server("decode", tiny_model, folder, kv_config("kv_consumer"), serve=True,
                      max_model_len=MAX_MODEL_LEN, extra_args=routine),
         start_server("prefill-2", tiny_model, folder, kv_config("kv_producer"), serve=True,
-                     max_model_len=MAX_MODEL_LEN, single_process=True, extra_args=routine),
+                     max_model_len=MAX_MODEL_LEN, extra_args=routine),
     ]
     proxies: list[Proxy] = []
     try:

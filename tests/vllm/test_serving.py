@@ -98,10 +98,10 @@ def serving(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         start_server("decode", tiny_model, folder, kv_config("kv_consumer"), serve=True,
                      max_model_len=MAX_MODEL_LEN,
                      extra_args=[*routine, "--num-gpu-blocks-override", str(DECODE_BLOCKS)]),
-        start_server("reference", tiny_model, folder, None, single_process=True, serve=True,
+        start_server("reference", tiny_model, folder, None, serve=True,
                      max_model_len=MAX_MODEL_LEN, extra_args=routine),
         start_server("prefill-64", tiny_model, folder, kv_config("kv_producer"), serve=True, block_size=64,
-                     max_model_len=MAX_MODEL_LEN, single_process=True),
+                     max_model_len=MAX_MODEL_LEN),
     ]
     proxies: list[Proxy] = []
     refusing = socket.socket()  # bound, never listening: a decode that is down

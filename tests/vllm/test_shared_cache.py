@@ -67,7 +67,7 @@ def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     routine = ["--enable-prefix-caching", "--max-num-batched-tokens", "64", "--chat-template", str(template)]
     config = kv_transfer_config("kv_both", redis_server.url, namespace, reuse=True)
     engines = [start_server(name, tiny_model, folder, config, serve=True, max_model_len=MAX_MODEL_LEN,
-                            single_process=True, extra_args=routine) for name in ("both-1", "both-2")]
+                            extra_args=routine) for name in ("both-1", "both-2")]
     try:
         wait_ready(engines, START_TIMEOUT_S)
         yield Pair(*engines, redis_server, namespace)

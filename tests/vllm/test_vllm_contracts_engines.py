@@ -96,9 +96,9 @@ def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     first = start_server("both-1", tiny_model, folder, config, serve=True, max_model_len=MAX_MODEL_LEN,
-                         single_process=True, extra_args=[*routine, "--kv-events-config", events], env=env)
+                         extra_args=[*routine, "--kv-events-config", events], env=env)
     second = start_server("both-2", tiny_model, folder, config, serve=True, max_model_len=MAX_MODEL_LEN,
-                          single_process=True, extra_args=routine, env=env)
+                          extra_args=routine, env=env)
     subscriber = Subscriber(events_port)
     try:
         wait_ready([first, second], START_TIMEOUT_S)
