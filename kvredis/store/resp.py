@@ -28,6 +28,10 @@ _LINE_LIMIT = 4096
 _JOIN_BELOW = 16 << 10
 _IOV_MAX = 512  # per sendmsg call (Linux allows 1024)
 _MAX_DEPTH = 4  # nesting of array replies (EXEC of a transaction is 2)
+# Where a large bulk reply is next, a line is received this many bytes at most: the payload behind it then
+# goes from the socket straight to its place, instead of a buffer's worth of it through the reader's buffer
+# (a second copy, made holding the GIL). Enough for a CRLF, a bulk header and a short reply between.
+_HEADER_READ = 64
 
 Buffer = bytes | bytearray | memoryview
 Argument = str | bytes | bytearray | memoryview | int | float | Sequence[Buffer]
@@ -179,6 +183,7 @@ class BulkReader:
     def __init__(self, sock: socket.socket, buffer_bytes: int = 64 << 10) -> None:
         self._sock = sock
         self._buffer = bytearray(buffer_bytes)
+        self.large = len(self._buffer)  # a placed reply this long or longer is read past the buffer
         self._start = 0
         self._end = 0
         # Scatter receives (one system call fills many buffers) need a plain socket; TLS reads one at a time.
@@ -186,7 +191,8 @@ class BulkReader:
         # A blocking socket (see :func:`blocking`) waits in the kernel for a whole buffer.
         self._wait_all = socket.MSG_WAITALL if self._scatter and sock.gettimeout() is None else 0
 
-    def _fill(self) -> None:
+    def _fill(self, most: int = 0) -> None:
+        """Receive what the socket has into the buffer (``most`` bytes at most, if given)."""
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buffer):
@@ -196,12 +202,14 @@ class BulkReader:
                 self._buffer += bytes(len(self._buffer))
             self._buffer[:len(remaining)] = remaining
             self._start, self._end = 0, len(remaining)
-        received = self._sock.recv_into(memoryview(self._buffer)[self._end:])
+        free = memoryview(self._buffer)[self._end:]
+        received = self._sock.recv_into(free[:most] if most else free)
         if received == 0:
             raise ConnectionError("Redis closed the connection in the middle of a reply")
         self._end += received
 
-    def _line(self) -> bytes:
+    def _line(self, most: int = 0) -> bytes:
+        """The next line, without its CRLF; each receive takes ``most`` bytes at most, if given."""
         while True:
             found = self._buffer.find(_CRLF, self._start, self._end)
             if found >= 0:
@@ -210,7 +218,7 @@ class BulkReader:
                 return line
             if self._end - self._start > _LINE_LIMIT:
                 raise ProtocolError("reply line longer than expected")
-            self._fill()
+            self._fill(most)
 
     def _read_exact(self, destination: memoryview) -> None:
         self._read_parts([destination])
@@ -257,13 +265,14 @@ class BulkReader:
             self._read_exact(scratch[:step])
             count -= step
 
-    def read_reply(self, depth: int = 0, place: Place | None = None) -> Any:
+    def read_reply(self, depth: int = 0, place: Place | None = None, expect: int = 0) -> Any:
         """One whole reply: ``bytearray`` (bulk), ``str`` (status), ``int``, ``list``, ``None`` (null), or a
         :class:`RespError` (returned, not raised: the reply was read whole and the connection is in step).
 
         With ``place``, each bulk string of the reply (those inside an array too, in order) is first offered
-        to it: where it gives buffers, the bytes go straight there and the bulk reads as :class:`Placed`."""
-        line = self._line()
+        to it: where it gives buffers, the bytes go straight there and the bulk reads as :class:`Placed`.
+        ``expect`` is the reply's expected length, if known: a long one is received past the buffer."""
+        line = self._line(_HEADER_READ if place is not None and expect >= self.large else 0)
         kind = line[:1]
         if kind == b"$":
             length = int(line[1:])
@@ -275,7 +284,8 @@ class BulkReader:
                     raise ValueError(f"a placement of {sum(part.nbytes for part in parts)} bytes for a "
                                      f"{length}-byte reply")
                 self._read_parts(parts)
-                if self._line() != b"":
+                # A long placed reply is mostly followed by another (the next piece of a value).
+                if self._line(_HEADER_READ if length >= self.large else 0) != b"":
                     raise ProtocolError("bulk reply not terminated by CRLF")
                 return Placed(length)
             # The value and its CRLF in one read: the CRLF alone would often cost another recv.
@@ -307,7 +317,8 @@ class BulkReader:
 
         ``"partial"`` for a null (the key is gone), ``"corrupt"`` for a value of another length or type.
         """
-        line = self._line()
+        most = _HEADER_READ if destination.nbytes >= self.large else 0
+        line = self._line(most)
         kind, body = line[:1], line[1:]
         if kind == b"-":
             text = body.decode(errors="replace")
@@ -325,7 +336,7 @@ class BulkReader:
             self._skip(length + 2)
             return "corrupt"
         self._read_exact(destination)
-        if self._line() != b"":
+        if self._line(most) != b"":
             raise ProtocolError("bulk reply not terminated by CRLF")
         return None
 
@@ -424,7 +435,7 @@ def _pipeline(sock: socket.socket, commands: Sequence[Sequence[Argument]], place
                 sent += 1
             send(sock, encode(commands[first:sent]))
         index = len(replies)
-        replies.append(reader.read_reply(place=places[index]))
+        replies.append(reader.read_reply(place=places[index], expect=costs[index]))
         in_flight -= costs[index]
         if on_reply is not None:
             on_reply(index, replies)

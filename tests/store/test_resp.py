@@ -246,6 +246,49 @@ def test_a_reply_spread_over_many_buffers_arrives_whole_in_blocking_mode() -> No
     b.close()
 
 
+class CountingSocket(socket.socket):
+    """A socket that counts the bytes ``recv_into`` takes (what passes through the reader's own buffer)."""
+
+    buffered = 0
+
+    def recv_into(self, buffer, nbytes=0, flags=0):  # type: ignore[override]
+        received = super().recv_into(buffer, nbytes, flags)
+        self.buffered += received
+        return received
+
+
+def test_long_placed_replies_go_past_the_readers_buffer_and_short_ones_around_them_still_parse() -> None:
+    """Where a long reply is expected, or follows one that was placed, the reader receives lines a few bytes
+    at a time, so that the payload goes from the socket to its place and not through its buffer; replies that
+    are not what was expected (an error line longer than such a read, a null) read as ever."""
+    a, b = pair(CountingSocket)
+    payloads = [os.urandom(200_000 + i) for i in range(4)]
+    error = b"-ERR " + b"x" * 200
+    wire = b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in payloads[:2])
+    wire += error + b"\r\n$-1\r\n:5\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in payloads[2:])
+    sender = threading.Thread(target=lambda: (b.sendall(wire), b.shutdown(socket.SHUT_WR)))
+    sender.start()
+    out = [bytearray(len(p)) for p in payloads]
+    with resp.blocking(a):
+        reader = resp.BulkReader(a)
+        replies = [reader.read_reply(place=lambda n, slot=slot: [memoryview(slot)], expect=len(slot))
+                   for slot in out[:2]]
+        replies.append(reader.read_reply(place=lambda n: None, expect=1 << 20))  # the error, then a null
+        replies.append(reader.read_reply(place=lambda n: None, expect=1 << 20))
+        replies.append(reader.read_reply())
+        replies += [reader.read_reply(place=lambda n, slot=slot: [memoryview(slot)], expect=len(slot))
+                    for slot in out[2:]]
+    sender.join(5)
+    assert all(isinstance(reply, resp.Placed) for reply in replies[:2] + replies[5:])
+    assert isinstance(replies[2], resp.RespError) and replies[2].args[0] == error[1:].decode()
+    assert replies[3] is None and replies[4] == 5
+    assert [bytes(slot) for slot in out] == payloads
+    # Lines, CRLFs and a few payload bytes each; without the short reads, 64 KiB of each payload.
+    assert a.buffered < 1024, a.buffered
+    a.close()
+    b.close()
+
+
 def test_a_stalled_reply_in_blocking_mode_times_out_at_the_sockets_bound() -> None:
     a, b = socket.socketpair()
     a.settimeout(0.3)
