@@ -3,13 +3,15 @@
 ``kvredis up`` starts) as fast as vLLM's CPU default, and do its OpenMP threads all compute?
 
 vLLM's CPU build gives an engine without tensor parallelism a worker process beside its engine core unless
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``; its source says OpenMP needs that worker process. This starts one
-``vllm serve`` of a Llama written here (the shape ``bench_hit.py`` uses), no connector, with
-``VLLM_CPU_OMP_THREADS_BIND`` set to ``--bind`` (default: every core of this machine), in each layout in turn
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and applies ``VLLM_CPU_OMP_THREADS_BIND`` only to that worker process
+(its source says OpenMP needs it); in one process the stack binds the OpenMP threads itself
+(``kvredis.stack.up.one_process_engine_env``). This starts one ``vllm serve`` of a Llama written here (the
+shape ``bench_hit.py`` uses), no connector, bound to ``--bind`` (default: every core of this machine; a
+core list, or ``nobind``), in each layout in turn
 for ``--rounds`` rounds, and sends ``--requests`` prompts of ``--tokens`` random tokens one after the other
 (4 tokens generated each, temperature 0, prefix caching off). Printed for each start: the time of each
 request and their median, the threads of the engine's processes that used at least 0.1 s of CPU in a
-request (their names, CPU seconds), and at the end whether both layouts answered alike.
+request (their names, the cores they may run on, CPU seconds), and whether both layouts answered alike.
 
     python scripts/bench_engine_layout.py                  # every core, 2 rounds
     python scripts/bench_engine_layout.py --bind 0-3 --tokens 4000
@@ -39,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the kvredis of this checkout, whatever the environment has installed
 
 from kvredis.stack.tinymodel import VOCAB, write_tiny_llama  # noqa: E402
+from kvredis.stack.up import one_process_engine_env  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 LAYOUTS = {"one process": "0", "worker process": "1"}
@@ -51,7 +54,8 @@ def free_port() -> int:
 
 
 def thread_cpu(group: int) -> dict[tuple[int, int, str], int]:
-    """CPU ticks of every thread of the processes in process group ``group``."""
+    """CPU ticks of every thread of the processes in process group ``group``, keyed by process, thread,
+    name and the cores it may run on."""
     ticks: dict[tuple[int, int, str], int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -64,7 +68,9 @@ def thread_cpu(group: int) -> dict[tuple[int, int, str], int]:
                 with open(f"/proc/{pid}/task/{tid}/stat") as stat:
                     fields = stat.read().rsplit(")", 1)[1].split()
                 with open(f"/proc/{pid}/task/{tid}/comm") as comm:
-                    ticks[(pid, int(tid), comm.read().strip())] = int(fields[11]) + int(fields[12])
+                    name = comm.read().strip()
+                cores = ",".join(map(str, sorted(os.sched_getaffinity(int(tid)))))
+                ticks[(pid, int(tid), f"{name} on {cores}")] = int(fields[11]) + int(fields[12])
         except (ProcessLookupError, FileNotFoundError, PermissionError):
             continue  # a process or thread that ended meanwhile
     return ticks
@@ -75,7 +81,9 @@ def run(model: Path, layout: str, args: argparse.Namespace,
     """Start the engine in ``layout``; each measured request's time, its busy threads, every answer."""
     port = free_port()
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_CPU_OMP_THREADS_BIND=args.bind, VLLM_ENABLE_V1_MULTIPROCESSING=LAYOUTS[layout])
+               VLLM_CPU_OMP_THREADS_BIND=args.bind, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    if layout == "one process":  # as kvredis up starts it, OpenMP's placement included
+        env.update(one_process_engine_env(args.bind) or {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     log = folder / f"engine-{LAYOUTS[layout]}.log"
     with open(log, "wb") as out:
         engine = subprocess.Popen(

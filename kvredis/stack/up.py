@@ -15,8 +15,9 @@ and chunks stay under their TTL) unless ``StackOptions.reuse`` is off; the embed
 bounded (``--maxmemory``) and evicts by remaining TTL (``volatile-ttl``, which the chunks' TTLs order for it:
 docs/design.md).
 
-CPU engines run their one worker inside the engine-core process, as vLLM runs one on a GPU
-(:func:`one_process_engine_env`), on cores of their own (:func:`engine_cpu_binds`).
+CPU engines run on cores of their own (:func:`engine_cpu_binds`), each with its one worker inside the
+engine-core process, as vLLM runs one on a GPU, its OpenMP threads bound to those cores
+(:func:`one_process_engine_env`).
 
 The engines run with ``PROMETHEUS_MULTIPROC_DIR`` set: kvredis's connector counts in vLLM's worker process,
 and only then does vLLM's API server serve the series of all its processes on ``/metrics`` (without it
@@ -131,17 +132,40 @@ def engine_cpu_binds(prefills: int, decodes: int, cpus: Collection[int] | None =
     return [*_shares(allowed[:middle], prefills), *_shares(allowed[middle:], decodes)]
 
 
-def one_process_engine_env() -> dict[str, str]:
+def one_process_engine_env(cpu_bind: str | None) -> dict[str, str]:
     """The environment that runs a CPU engine's one worker inside its engine-core process, as vLLM does for
-    one worker on a GPU: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, under which vLLM's CPU build keeps its
-    single-process executor (``uni``) instead of forcing a worker process; empty for other engines or where
-    the user set the variable. With a worker process, the engine core and the worker poll each other without
-    pause (``sched_yield``) while a request waits for its KV, on the cores the load and the computing need
-    (docs/design.md, "One process per CPU engine", has what that cost). vLLM ignores the variable for an
-    engine of several workers (tensor parallelism), which get processes of their own as before."""
+    one worker on a GPU, on the cores ``cpu_bind`` lists (the engine's ``VLLM_CPU_OMP_THREADS_BIND``);
+    empty for GPU engines, where the user set ``VLLM_ENABLE_V1_MULTIPROCESSING``, or where the bind is not a
+    list of cores (``auto``, one list per rank), which only vLLM's worker process can apply.
+
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's CPU build on its single-process executor instead of a
+    worker process; the two would poll each other without pause (``sched_yield``) while a request waits for
+    its KV, on the cores the load and the computing need (docs/design.md, "One process per CPU engine").
+    vLLM applies ``VLLM_CPU_OMP_THREADS_BIND`` only as it starts a worker process, by giving that process
+    OpenMP's placement variables; in one process nothing would, and every engine's threads would spread over
+    every core. So they are given here, to the whole engine: as many OpenMP threads as cores, bound to those
+    cores (``nobind`` gives none). vLLM ignores the layout for an engine of several workers (tensor
+    parallelism), and gives each worker process its own placement as before."""
     if not _cpu_engines() or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return {}
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if cpu_bind == "nobind":
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cpus = _core_list(cpu_bind or "")
+    if not cpus:
+        return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(len(cpus)),
+            "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}", "OMP_PROC_BIND": "true"}
+
+
+def _core_list(text: str) -> list[int]:
+    """The cores a bind such as ``0,2-4`` lists, in order; empty for anything else (``auto``, ``0-3|4-7``)."""
+    cores: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or not (last.isdigit() or not last):
+            return []
+        cores += range(int(first), int(last or first) + 1)
+    return sorted(set(cores))
 
 
 def _cpu_engines() -> bool:
@@ -344,7 +368,7 @@ def _engine_spec(
         env["HF_HUB_OFFLINE"] = "1"
     if cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
-    env.update(one_process_engine_env())
+    env.update(one_process_engine_env(cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")))
     url = f"http://{options.host}:{port}"
     return ChildSpec(role, argv, url, lambda: http_ok(url + "/health"), env,
                      startup_timeout_s=options.startup_timeout_s)

@@ -202,9 +202,11 @@ def test_open_stack_starts_several_instances_of_each_role_behind_the_proxy(
         children = running_stack.supervisor.children
         binds = [child.spec.env.get("VLLM_CPU_OMP_THREADS_BIND") for child in children]
         assert binds == ["0,1", "2,3", "4", "5", "6,7", None]
-        # ... and runs its worker inside its engine-core process.
+        # ... and runs its worker inside its engine-core process, its OpenMP threads bound to those cores.
         layouts = [child.spec.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") for child in children]
         assert layouts == ["0", "0", "0", "0", "0", None]
+        places = [child.spec.env.get("OMP_PLACES") for child in children]
+        assert places == ["{0,1}", "{2,3}", "{4}", "{5}", "{6,7}", None]
         assert {log.name for log in (tmp_path / "logs").glob("*.log")} == {f"{role}.log" for role in roles}
         assert len(running_stack.prefill_urls) == 2 and len(running_stack.decode_urls) == 3
         assert len({*running_stack.prefill_urls, *running_stack.decode_urls, running_stack.proxy_url}) == 6
@@ -275,17 +277,23 @@ def test_the_stack_leaves_a_bind_the_user_set_and_says_when_one_cpu_cannot_be_sp
     assert capsys.readouterr().out == ""
 
 
-def test_cpu_engines_run_their_worker_in_the_engine_core_unless_the_user_said_otherwise(
+def test_cpu_engines_run_their_worker_in_the_engine_core_on_their_cores_unless_the_user_said_otherwise(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    assert stack_module.one_process_engine_env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    one_process = stack_module.one_process_engine_env
+    # vLLM binds OpenMP only as it starts a worker process: in one process, the placement is the stack's.
+    assert one_process("0,2-4") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "4",
+                                    "OMP_PLACES": "{0,2,3,4}", "OMP_PROC_BIND": "true"}
+    assert one_process("nobind") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    for bind in (None, "auto", "0-3|4-7", "0-x"):  # only vLLM's worker process applies these
+        assert one_process(bind) == {}, bind
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's choice is left to the engines
-    assert stack_module.one_process_engine_env() == {}
+    assert one_process("0") == {}
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")  # a GPU engine of one worker is one process already
-    assert stack_module.one_process_engine_env() == {}
+    assert one_process("0") == {}
 
 
 def _engine_args(log: Path) -> list[str]:

@@ -26,7 +26,7 @@ from conftest import BLOCK_SIZE
 from redis_servers import RedisServer, free_port, wait_until
 
 from kvredis.stack.tinymodel import prompt_text
-from kvredis.stack.up import engine_cpu_binds
+from kvredis.stack.up import engine_cpu_binds, one_process_engine_env
 from kvredis.store.announcement import TRANSFER_PARAM
 from kvredis.store.tally import tally_key
 from kvredis.store.transfer import record_digests
@@ -127,9 +127,10 @@ def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any]
                  extra_args: Sequence[str] = (), dtype: str = "float32",
                  env: dict[str, str] | None = None) -> Server:
     """Start an engine. It runs its one worker inside the engine core process, as ``kvredis up`` runs CPU
-    engines and as vLLM runs a GPU engine without tensor parallelism; ``worker_process`` keeps vLLM's CPU
-    default instead, a worker process beside the engine core (``--distributed-executor-backend uni`` does
-    not give one process on a CPU: vLLM turns it into ``mp`` unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+    engines (:func:`kvredis.stack.up.one_process_engine_env`: its OpenMP threads bound to its cores) and as
+    vLLM runs a GPU engine without tensor parallelism; ``worker_process`` keeps vLLM's CPU default instead,
+    a worker process beside the engine core (``--distributed-executor-backend uni`` does not give one
+    process on a CPU: vLLM turns it into ``mp`` unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
     ``tensor_parallel`` > 1 shards the model over that many worker processes. ``serve`` starts it as
     operators do, with ``vllm serve`` (run as ``python -m vllm.entrypoints.cli.main``, the same program as
     the ``vllm`` console script); ``extra_args`` go on its command line, ``env`` in its environment."""
@@ -145,11 +146,11 @@ def start_server(name: str, model: Path, folder: Path, kv_config: dict[str, Any]
              "--enable-prompt-tokens-details", *extra_args]
     if kv_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_config)]
-    if not worker_process:
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if tensor_parallel > 1:
         args += ["--tensor-parallel-size", str(tensor_parallel)]
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(kv_config, tensor_parallel))
+    if not worker_process and tensor_parallel == 1:
+        env = {**one_process_engine_env(env["VLLM_CPU_OMP_THREADS_BIND"]), **env}
     with open(log, "wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                    env=env, cwd=REPO)
