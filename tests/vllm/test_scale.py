@@ -76,10 +76,10 @@ def scaled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSt
     assert not [pid for pid in pids if group_alive(pid)]
 
 
-def _vllm_titles(group: int) -> list[str]:
-    """The process titles vLLM gave the processes of process group ``group`` (``VLLM::EngineCore``,
-    ``VLLM::Worker`` ...)."""
-    titles = []
+def _vllm_processes(group: int) -> list[tuple[str, int]]:
+    """The processes of process group ``group`` that vLLM gave a title (``VLLM::EngineCore``,
+    ``VLLM::Worker`` ...): (title, pid), by title."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -89,8 +89,21 @@ def _vllm_titles(group: int) -> list[str]:
         except OSError:
             continue  # gone since the listing
         if pgid == group and title.startswith("VLLM::"):
-            titles.append(title)
-    return sorted(titles)
+            found.append((title, int(entry.name)))
+    return sorted(found)
+
+
+def _busiest_thread_cores(pid: int) -> set[int]:
+    """The cores the thread of process ``pid`` that used the most CPU may run on (in an engine core that
+    computes, the model's: OpenMP's first thread)."""
+    used = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that ended since the listing
+        used[int(task.name)] = int(fields[11]) + int(fields[12])
+    return set(os.sched_getaffinity(max(used, key=used.__getitem__)))
 
 
 def _snapshot(running: RunningStack) -> dict[str, dict[str, float]]:
@@ -153,11 +166,18 @@ def test_two_prefill_two_decode_engines_answer_correctly(scaled_stack: RunningSt
     running.supervisor.check()
 
     # The stack runs each engine's one worker inside its engine-core process (vLLM's CPU build would
-    # otherwise start a worker process, the two polling each other while a request waits for its KV).
+    # otherwise start a worker process, the two polling each other while a request waits for its KV), and
+    # there computes on the engine's own cores (vLLM binds OpenMP only in a worker process it starts).
     for child in running.supervisor.children:
         if child.spec.role.startswith(("prefill", "decode")):
-            titles = _vllm_titles(child.pid)
+            processes = _vllm_processes(child.pid)
+            titles = [title for title, _ in processes]
             assert titles and not [title for title in titles if "Worker" in title], (child.spec.role, titles)
+            bind = child.spec.env.get("VLLM_CPU_OMP_THREADS_BIND")
+            if bind is not None:  # None: one CPU, nothing to keep apart
+                cores = {int(core) for core in bind.split(",")}
+                engine_core = dict(processes)["VLLM::EngineCore"]
+                assert _busiest_thread_cores(engine_core) == cores, (child.spec.role, bind)
 
     # The prefills count a stored entry when the background write ends, possibly after the decode took it.
     lacked = sum(length - 1 for length in lengths)
