@@ -26,7 +26,6 @@ import datetime
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,17 +39,12 @@ import requests
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the kvredis of this checkout, whatever the environment has installed
 
+from kvredis.stack.supervisor import http_ok  # noqa: E402
 from kvredis.stack.tinymodel import VOCAB, write_tiny_llama  # noqa: E402
-from kvredis.stack.up import one_process_engine_env  # noqa: E402
+from kvredis.stack.up import free_ports, one_process_engine_env  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 LAYOUTS = {"one process": "0", "worker process": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def thread_cpu(group: int) -> dict[tuple[int, int, str], int]:
@@ -79,7 +73,7 @@ def thread_cpu(group: int) -> dict[tuple[int, int, str], int]:
 def run(model: Path, layout: str, args: argparse.Namespace,
         folder: Path) -> tuple[list[float], list[Any], list[str]]:
     """Start the engine in ``layout``; each measured request's time, its busy threads, every answer."""
-    port = free_port()
+    port = free_ports(1)[0]
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND=args.bind, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     if layout == "one process":  # as kvredis up starts it, OpenMP's placement included
@@ -94,12 +88,7 @@ def run(model: Path, layout: str, args: argparse.Namespace,
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
-        while True:
-            try:
-                if requests.get(f"{url}/health", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
+        while not http_ok(f"{url}/health"):
             if engine.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the engine did not start:\n{log.read_text()[-3000:]}")
             time.sleep(1)

@@ -183,7 +183,7 @@ class BulkReader:
     def __init__(self, sock: socket.socket, buffer_bytes: int = 64 << 10) -> None:
         self._sock = sock
         self._buffer = bytearray(buffer_bytes)
-        self.large = len(self._buffer)  # a placed reply this long or longer is read past the buffer
+        self._large = len(self._buffer)  # a placed reply this long or longer is read past the buffer
         self._start = 0
         self._end = 0
         # Scatter receives (one system call fills many buffers) need a plain socket; TLS reads one at a time.
@@ -272,7 +272,7 @@ class BulkReader:
         With ``place``, each bulk string of the reply (those inside an array too, in order) is first offered
         to it: where it gives buffers, the bytes go straight there and the bulk reads as :class:`Placed`.
         ``expect`` is the reply's expected length, if known: a long one is received past the buffer."""
-        line = self._line(_HEADER_READ if place is not None and expect >= self.large else 0)
+        line = self._line(_HEADER_READ if place is not None and expect >= self._large else 0)
         kind = line[:1]
         if kind == b"$":
             length = int(line[1:])
@@ -285,7 +285,7 @@ class BulkReader:
                                      f"{length}-byte reply")
                 self._read_parts(parts)
                 # A long placed reply is mostly followed by another (the next piece of a value).
-                if self._line(_HEADER_READ if length >= self.large else 0) != b"":
+                if self._line(_HEADER_READ if length >= self._large else 0) != b"":
                     raise ProtocolError("bulk reply not terminated by CRLF")
                 return Placed(length)
             # The value and its CRLF in one read: the CRLF alone would often cost another recv.
@@ -317,7 +317,7 @@ class BulkReader:
 
         ``"partial"`` for a null (the key is gone), ``"corrupt"`` for a value of another length or type.
         """
-        most = _HEADER_READ if destination.nbytes >= self.large else 0
+        most = _HEADER_READ if destination.nbytes >= self._large else 0
         line = self._line(most)
         kind, body = line[:1], line[1:]
         if kind == b"-":
